@@ -1,0 +1,25 @@
+"""ignite_zero: correct, cheap and boring checkpoints of sharded PyTorch training state for PyTorch-Ignite."""
+
+from ignite_zero.adapters import ShardedState, ZeROState
+from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, CollectiveTimeoutError, RankFailureError
+from ignite_zero.checkpoint import Checkpoint, ModelCheckpoint
+from ignite_zero.handlers import ConsolidateZeROHandler
+from ignite_zero.integrity import IntegrityError, verify_file
+from ignite_zero.savers import DiskSaver
+
+__all__ = [
+    "DEFAULT_SYNC_TIMEOUT",
+    "Checkpoint",
+    "CollectiveTimeoutError",
+    "ConsolidateZeROHandler",
+    "DiskSaver",
+    "IntegrityError",
+    "ModelCheckpoint",
+    "RankFailureError",
+    "ShardedState",
+    "ZeROState",
+    "__version__",
+    "verify_file",
+]
+
+__version__ = "0.1.0"

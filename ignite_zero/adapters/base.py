@@ -1,0 +1,90 @@
+"""The protocol every adapter of sharded state follows."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from ignite_zero.agreement import rank_and_world
+
+__all__ = ["ShardedState", "copy_structure", "group_ranks"]
+
+
+class ShardedState(ABC):
+    """A ``Stateful`` view of one object whose state is spread over ranks.
+
+    ``state_dict()`` is a collective: every rank calls it, the recipient gets the full state and every other
+    rank gets ``{}``. ``load_state_dict()`` takes a full state, as saved on any world size, and restores this
+    rank's part of it. Both work without a process group too, as the plain object would.
+
+    Args:
+        obj: the wrapped object.
+        recipient_rank: global rank that receives the full state.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, obj: Any, recipient_rank: int = 0) -> None:
+        if not isinstance(recipient_rank, int) or isinstance(recipient_rank, bool) or recipient_rank < 0:
+            raise ValueError(f"Argument `recipient_rank` should be a non-negative integer, got {recipient_rank!r}")
+        self.obj = obj
+        self.recipient_rank = recipient_rank
+
+    @property
+    def is_recipient(self) -> bool:
+        """Whether this process receives the full state."""
+        return rank_and_world()[0] == self.recipient_rank
+
+    def check(self) -> None:
+        """Validate, locally and without communication, that ``state_dict()`` can run; raise ``ValueError`` if not.
+
+        Checkpoint runs it on every rank before any collective and shares the outcome, so that a problem on
+        one rank becomes an error on all of them instead of a hang.
+        """
+        _, world_size = rank_and_world()
+        if self.recipient_rank >= world_size:
+            raise ValueError(
+                f"Recipient rank {self.recipient_rank} is outside the process group of {world_size} ranks; "
+                f"choose a rank in [0, {world_size})"
+            )
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: the full state on the recipient, ``{}`` on every other rank."""
+
+    @abstractmethod
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore this rank's part of a full state saved on any world size. Never mutates ``state_dict``."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({type(self.obj).__name__}, recipient_rank={self.recipient_rank})"
+
+
+def copy_structure(value: Any) -> Any:
+    """Copy the dicts, lists and tuples of a nested state, sharing its tensors and other leaves.
+
+    Some ``load_state_dict`` implementations (``ZeroRedundancyOptimizer``'s among them) write into the
+    dict they are given; handing them this copy keeps the caller's dict intact at no tensor cost.
+    """
+    if isinstance(value, Mapping):
+        items = ((key, copy_structure(item)) for key, item in value.items())
+        return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
+    if isinstance(value, list):
+        return [copy_structure(item) for item in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(copy_structure(item) for item in value)
+    return value
+
+
+def group_ranks(group: Any) -> list[int]:
+    """Global ranks of ``group``; ``ValueError`` if it no longer belongs to the current process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("no process group is initialised")
+    try:
+        return dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(str(error)) from error

@@ -1,0 +1,158 @@
+"""Optimizers that shard their state over ranks and consolidate it on request (ZeRO, fairscale OSS, ...)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ignite_zero import _compat
+from ignite_zero.adapters.base import ShardedState, copy_structure, group_ranks
+
+__all__ = ["ZeROState", "consolidate", "recipient_keyword"]
+
+
+def recipient_keyword(consolidate_state_dict: Callable[..., Any]) -> str | None:
+    """How ``consolidate_state_dict`` takes the recipient rank, read from its signature.
+
+    ``"to"`` for ``torch.distributed.optim.ZeroRedundancyOptimizer``, ``"recipient_rank"`` for fairscale's
+    ``OSS``, ``None`` for a method with a single other parameter, taken positionally.
+
+    Raises:
+        TypeError: the signature does not say where the recipient goes.
+    """
+    parameters = [
+        p
+        for p in inspect.signature(consolidate_state_dict).parameters.values()
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    names = {p.name for p in parameters}
+    for name in ("to", "recipient_rank"):
+        if name in names:
+            return name
+    if len(parameters) == 1 and parameters[0].kind != inspect.Parameter.KEYWORD_ONLY:
+        return None
+    raise TypeError(
+        f"Cannot tell how {consolidate_state_dict.__qualname__}{inspect.signature(consolidate_state_dict)} takes the "
+        "recipient rank: expected a parameter named `to` or `recipient_rank`, or a single parameter. Wrap the "
+        "optimizer in a `ShardedState` adapter of your own."
+    )
+
+
+def process_group_of(optimizer: Any) -> Any:
+    """The process group a sharded optimizer consolidates over (``process_group`` in torch, ``group`` in fairscale)."""
+    for attribute in ("process_group", "group"):
+        group = getattr(optimizer, attribute, None)
+        if group is not None:
+            return group
+    return dist.group.WORLD
+
+
+def consolidate(optimizer: Any, recipient_rank: int) -> None:
+    """Run ``optimizer.consolidate_state_dict`` towards the global rank ``recipient_rank``; a collective.
+
+    The optimizers count the recipient within their own process group, so a global rank is translated.
+    """
+    group_recipient = dist.get_group_rank(process_group_of(optimizer), recipient_rank)
+    keyword = recipient_keyword(optimizer.consolidate_state_dict)
+    if keyword is None:
+        optimizer.consolidate_state_dict(group_recipient)
+    else:
+        optimizer.consolidate_state_dict(**{keyword: group_recipient})
+
+
+class ZeROState(ShardedState):
+    """Full state of an optimizer that shards its state over ranks and can consolidate it.
+
+    Works with :class:`torch.distributed.optim.ZeroRedundancyOptimizer`, fairscale's ``OSS`` and any optimizer
+    with a ``consolidate_state_dict`` method. ``state_dict()`` consolidates afresh on every call (a
+    consolidation left by an earlier call is never reused) and returns the global state, the same as
+    ``consolidate_state_dict`` + ``state_dict`` of the optimizer itself, with every tensor on CPU. The
+    optimizer's copy of the consolidated state is then released, so the recipient does not keep a second
+    full copy between saves.
+
+    ``load_state_dict()`` takes a global optimizer state saved on any number of ranks (or by a plain
+    optimizer); each rank keeps the part it owns. It is local: no communication.
+
+    Args:
+        optimizer: the sharded optimizer.
+        recipient_rank: global rank that receives the full state; it must belong to the optimizer's process
+            group.
+
+    Examples:
+        With stock ignite:
+
+        .. code-block:: python
+
+            from ignite.handlers import Checkpoint
+            from ignite_zero.adapters import ZeROState
+
+            to_save = {"model": model, "optimizer": ZeROState(optimizer, recipient_rank=0)}
+            trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, "/tmp/ckpt"))
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, optimizer: Any, recipient_rank: int = 0) -> None:
+        super().__init__(optimizer, recipient_rank)
+        for method in ("consolidate_state_dict", "state_dict", "load_state_dict"):
+            if not callable(getattr(optimizer, method, None)):
+                raise TypeError(f"{type(optimizer).__name__} has no `{method}` method: it is not a sharded optimizer")
+        recipient_keyword(optimizer.consolidate_state_dict)  # fail now on an unusable signature
+
+    def check(self) -> None:
+        super().check()
+        name = type(self.obj).__name__
+        group = process_group_of(self.obj)
+        try:
+            ranks = group_ranks(group)
+        except ValueError as error:
+            raise ValueError(
+                f"The process group of this {name} is not part of the process group in use ({error}). Was the "
+                "process group destroyed and initialised again? Create the optimizer after `init_process_group`."
+            ) from error
+        if _compat.zero_awaits_ddp(self.obj):
+            raise ValueError(
+                f"This {name} was created with `overlap_with_ddp=True` and is not initialised yet: DDP initialises "
+                "it once its buckets are rebuilt, during the first iterations (and only with the NCCL backend). Save "
+                "after a few iterations."
+            )
+        if self.recipient_rank not in ranks:
+            raise ValueError(
+                f"Recipient rank {self.recipient_rank} is not in the process group of this {name} (global ranks "
+                f"{ranks}): its state can only be consolidated on one of them. Set `consolidate_recipient_rank` to "
+                "one of these ranks."
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        consolidate(self.obj, self.recipient_rank)
+        if not self.is_recipient:
+            return {}
+        state = _to_cpu(self.obj.state_dict())
+        attribute = _compat.consolidated_state_attribute(self.obj)
+        if attribute is not None:
+            setattr(self.obj, attribute, [])
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= state_dict.keys():
+            raise ValueError(
+                f"Expected an optimizer state dict with keys 'state' and 'param_groups' for this "
+                f"{type(self.obj).__name__}, got {type(state_dict).__name__} with keys {sorted(state_dict)[:10]}"
+            )
+        self.obj.load_state_dict(copy_structure(state_dict))
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, Mapping):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(item) for item in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_to_cpu(item) for item in value)
+    return value

@@ -1,0 +1,236 @@
+"""Agreement among ranks before and after a collective operation, through the process group's store.
+
+A collective entered by only some ranks blocks until the process-group timeout and then fails with a raw
+backend error (``dist.monitored_barrier`` names the missing ranks on rank 0 only, and leaves the group
+unusable). A round of :func:`agree` instead works on the store that the default process group was created
+with: each rank posts a small payload, then waits for the others with a deadline. Every rank that arrived
+either gets all payloads, or raises :class:`CollectiveTimeoutError` naming the missing ranks, and the process
+group itself is never touched, so it stays usable.
+
+Whether a round succeeded is decided once, atomically (``compare_set`` on one key): a rank that arrives after
+the others gave up raises too, instead of running into the next collective alone.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from ignite_zero import _compat
+
+__all__ = [
+    "DEFAULT_SYNC_TIMEOUT",
+    "CollectiveTimeoutError",
+    "RankFailureError",
+    "agree",
+    "busy",
+    "rank_and_world",
+    "settle",
+]
+
+#: Seconds a rank waits for the others to reach the same save or load. Well below the process-group
+#: timeout (30 minutes by default), so that a save called on one rank fails fast and clearly.
+DEFAULT_SYNC_TIMEOUT = 120.0
+
+_PREFIX = "ignite_zero/"
+_GO, _ABORT = b"go", b"abort"
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """Some ranks did not reach a collective save or load in time."""
+
+
+class RankFailureError(RuntimeError):
+    """A rank failed during a collective save or load; raised on every rank, naming the ranks and their errors."""
+
+
+@dataclass
+class _Channel:
+    store: dist.Store
+    rank: int
+    world_size: int
+    rounds: dict[str, int] = field(default_factory=dict)
+
+
+# One channel per default process group: a group destroyed and created again starts counting afresh.
+_channels: weakref.WeakKeyDictionary[Any, _Channel] = weakref.WeakKeyDictionary()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group, ``(0, 1)`` without one.
+
+    Plain ``torch.distributed`` on purpose: the first ``ignite.distributed`` call after
+    ``init_process_group`` is itself a collective, which must not run on one rank only.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _channel() -> _Channel:
+    group = dist.group.WORLD
+    channel = _channels.get(group)
+    if channel is None:
+        channel = _Channel(_compat.default_store(), dist.get_rank(), dist.get_world_size())
+        _channels[group] = channel
+    return channel
+
+
+def agree(payload: Any, *, what: str, timeout: float, stream: str = "main") -> list[Any]:
+    """Share ``payload`` with every rank of the default process group; return all payloads in rank order.
+
+    Every rank must call it, in the same order as its other rounds on the same ``stream``. Without a process
+    group, or with one rank, it returns ``[payload]`` at once.
+
+    Args:
+        payload: small picklable value posted by this rank.
+        what: the operation, e.g. ``"save of checkpoint_3.pt"``; ranks in different operations are an error.
+        timeout: seconds to wait after this rank arrived, extended while a missing rank shows it is alive
+            and busy (see :func:`busy`).
+        stream: independent sequence of rounds, e.g. for a background writer.
+
+    Raises:
+        CollectiveTimeoutError: some ranks did not arrive in time, or arrived after the others gave up.
+        RankFailureError: ranks called different operations in the same round.
+    """
+    rank, world_size = rank_and_world()
+    if world_size == 1:
+        return [payload]
+    channel = _channel()
+    store = channel.store
+    number = channel.rounds.get(stream, 0)
+    channel.rounds[stream] = number + 1
+    key = f"{_PREFIX}{stream}/{number}"
+
+    store.set(f"{key}/p{rank}", pickle.dumps((what, payload)))
+    store.add(f"{key}/n", 1)
+    _wait_for_all(store, key, rank, world_size, what, timeout)
+
+    posted = [pickle.loads(raw) for raw in store.multi_get([f"{key}/p{r}" for r in range(world_size)])]
+    _forget(store, f"{_PREFIX}{stream}/{number - 1}", rank)
+    operations = {r: op for r, (op, _) in enumerate(posted)}
+    if len(set(operations.values())) > 1:
+        listing = ", ".join(f"rank {r}: {op}" for r, op in operations.items())
+        raise RankFailureError(
+            f"Ranks are in different collective operations ({listing}). Save and load checkpoints on every rank, "
+            "in the same order."
+        )
+    return [value for _, value in posted]
+
+
+def settle(failure: BaseException | None, *, what: str, timeout: float, payload: Any = None) -> list[Any]:
+    """A round of :func:`agree` that also shares whether each rank failed; return all payloads in rank order.
+
+    Args:
+        failure: the exception this rank hit in its part of the operation, or ``None``.
+        what: the operation, for messages.
+        timeout: as for :func:`agree`.
+        payload: as for :func:`agree`.
+
+    Raises:
+        RankFailureError: on every rank, if any rank failed; it lists each failed rank's error, and chains
+            this rank's own exception. Without a process group, ``failure`` itself is raised.
+    """
+    if failure is not None and rank_and_world()[1] == 1:
+        raise failure
+    own = None if failure is None else f"{type(failure).__name__}: {failure}"
+    posted = agree((own, payload), what=what, timeout=timeout)
+    failed = [(rank, text) for rank, (text, _) in enumerate(posted) if text is not None]
+    if failed:
+        listing = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
+        raise RankFailureError(f"The {what} failed on {len(failed)} of {len(posted)} ranks: {listing}") from failure
+    return [value for _, value in posted]
+
+
+def _wait_for_all(store: dist.Store, key: str, rank: int, world_size: int, what: str, timeout: float) -> None:
+    state_key = f"{key}/state"
+    started = time.monotonic()
+    deadline = started + timeout
+    pause = 0.0005
+    while True:
+        if store.check([state_key]):
+            if store.get(state_key) == _GO:
+                return
+            raise CollectiveTimeoutError(
+                f"The other ranks gave up waiting for rank {rank} at the {what} (timeout {timeout:g} s) and raised "
+                "an error. Call it on every rank at the same point of the program; raise `sync_timeout` if a rank "
+                "is legitimately slower."
+            )
+        if store.add(f"{key}/n", 0) >= world_size:
+            if store.compare_set(state_key, "", _GO) == _GO:
+                return
+            continue
+        now = time.monotonic()
+        if now >= deadline:
+            missing = [r for r in range(world_size) if not store.check([f"{key}/p{r}"])]
+            silent_for = min(_silence(store, r) for r in missing) if missing else timeout
+            if silent_for < timeout:
+                # A missing rank is alive and still busy (e.g. writing the file): keep waiting for it.
+                deadline = now + timeout - silent_for
+                continue
+            if store.compare_set(state_key, "", _ABORT) == _GO:
+                return
+            arrived = [r for r in range(world_size) if r not in missing]
+            raise CollectiveTimeoutError(
+                f"Timed out after {now - started:.1f} s waiting for ranks {missing} at the {what} (ranks {arrived} "
+                f"arrived). It must be called on every rank of the process group: attach checkpoint handlers on all "
+                f"ranks, never under `if rank == ...`. Raise `sync_timeout` (now {timeout:g} s) if a rank is "
+                "legitimately slower."
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+def _silence(store: dist.Store, rank: int) -> float:
+    """Seconds since ``rank`` last showed it was busy (see :func:`busy`); infinite if it never did."""
+    beat_key = f"{_PREFIX}alive/{rank}"
+    if not store.check([beat_key]):
+        return float("inf")
+    return time.time() - float(store.get(beat_key))
+
+
+def _forget(store: dist.Store, key: str, rank: int) -> None:
+    # Every rank reached this round, so all have read the previous one: drop its keys to keep the store small.
+    if key.endswith("/-1"):
+        return
+    store.delete_key(f"{key}/p{rank}")
+    if rank == 0:
+        store.delete_key(f"{key}/n")
+        store.delete_key(f"{key}/state")
+
+
+@contextmanager
+def busy(interval: float) -> Iterator[None]:
+    """Show the other ranks that this rank is alive while it works, e.g. while it writes a large file.
+
+    Ranks waiting in :func:`agree` for this rank extend their deadline while it beats. Wall-clock time is
+    posted, so clocks of different hosts must agree to well within the timeout (NTP does).
+    """
+    rank, world_size = rank_and_world()
+    if world_size == 1:
+        yield
+        return
+    store = _channel().store
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            store.set(f"{_PREFIX}alive/{rank}", repr(time.time()))
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=beat, name="ignite_zero-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -1,0 +1,99 @@
+"""Agreement rounds among real ranks: payloads, missing and late ranks, liveness, a usable group after errors."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from launcher import run_ranks
+
+from ignite_zero.agreement import CollectiveTimeoutError, RankFailureError, agree, busy, settle
+
+pytestmark = pytest.mark.distributed
+
+
+def _all_arrive(rank, world_size):
+    first = agree({"rank": rank}, what="test", timeout=10)
+    second = agree(rank * 10, what="test", timeout=10)
+    return first, second
+
+
+def test_payloads_come_back_in_rank_order():
+    for first, second in run_ranks(_all_arrive, 3):
+        assert first == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+        assert second == [0, 10, 20]
+
+
+def _one_rank_calls(rank, world_size):
+    outcome = None
+    if rank == 0:
+        started = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as info:
+            agree(None, what="checkpoint save", timeout=1.0)
+        outcome = (str(info.value), time.monotonic() - started)
+    # The process group is untouched and still works for every rank.
+    value = torch.tensor([rank + 1.0])
+    dist.all_reduce(value)
+    return outcome, value.item()
+
+
+def test_missing_rank_is_named_within_timeout_and_group_stays_usable():
+    results = run_ranks(_one_rank_calls, 3)
+    message, elapsed = results[0][0]
+    assert "ranks [1, 2]" in message and "ranks [0] arrived" in message and "sync_timeout" in message
+    assert 1.0 <= elapsed < 5.0
+    assert [total for _, total in results] == [6.0, 6.0, 6.0]
+
+
+def _late_rank(rank, world_size):
+    if rank == 1:
+        time.sleep(2.0)
+    try:
+        agree(None, what="checkpoint save", timeout=0.5)
+    except CollectiveTimeoutError as error:
+        return str(error)
+    return None
+
+
+def test_rank_arriving_after_the_others_gave_up_raises_too():
+    early, late = run_ranks(_late_rank, 2)
+    assert "waiting for ranks [1]" in early
+    assert "gave up waiting for rank 1" in late
+
+
+def _busy_rank(rank, world_size):
+    if rank == 1:
+        with busy(interval=0.1):
+            time.sleep(1.5)  # e.g. writing a large file
+    return agree(rank, what="checkpoint save outcome", timeout=0.5)
+
+
+def test_a_busy_rank_extends_the_deadline():
+    assert run_ranks(_busy_rank, 2) == [[0, 1], [0, 1]]
+
+
+def _different_operations(rank, world_size):
+    with pytest.raises(RankFailureError, match="rank 0: checkpoint save, rank 1: checkpoint load"):
+        agree(None, what="checkpoint save" if rank == 0 else "checkpoint load", timeout=5)
+
+
+def test_ranks_in_different_operations_fail_together():
+    run_ranks(_different_operations, 2)
+
+
+def _one_rank_fails(rank, world_size):
+    failure = ValueError("disk full") if rank == 1 else None
+    with pytest.raises(RankFailureError, match=r"failed on 1 of 2 ranks: rank 1: ValueError: disk full") as info:
+        settle(failure, what="checkpoint save", timeout=5)
+    return info.value.__cause__ is failure
+
+
+def test_a_failure_on_one_rank_is_raised_on_every_rank():
+    assert run_ranks(_one_rank_fails, 2) == [True, True]
+
+
+def test_without_process_group_agreement_is_immediate_and_errors_are_raised_as_they_are():
+    assert agree("x", what="checkpoint save", timeout=1) == ["x"]
+    failure = OSError("no space")
+    with pytest.raises(OSError, match="no space"):
+        settle(failure, what="checkpoint save", timeout=1)
