@@ -116,6 +116,7 @@ def agree(payload: Any, *, what: str, timeout: float, stream: str = "main") -> l
 
     posted = [pickle.loads(raw) for raw in store.multi_get([f"{key}/p{r}" for r in range(world_size)])]
     _forget(store, f"{_PREFIX}{stream}/{number - 1}", rank)
+    _leave_together(store, key, world_size, timeout)
     operations = {r: op for r, (op, _) in enumerate(posted)}
     if len(set(operations.values())) > 1:
         listing = ", ".join(f"rank {r}: {op}" for r, op in operations.items())
@@ -189,6 +190,22 @@ def _wait_for_all(store: dist.Store, key: str, rank: int, world_size: int, what:
         pause = min(pause * 2, 0.02)
 
 
+def _leave_together(store: dist.Store, key: str, world_size: int, timeout: float) -> None:
+    """Return only once every rank has read the round.
+
+    The store may live in one rank's process (a TCPStore started by rank 0, as ``idist.Parallel`` does): a
+    rank that finished its last round and exited would take the store away from a rank still reading.
+    The last rank to finish needs no further store access, and the others wait for it.
+    """
+    if store.add(f"{key}/done", 1) >= world_size:
+        return
+    deadline = time.monotonic() + timeout
+    pause = 0.0005
+    while store.add(f"{key}/done", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
 def _silence(store: dist.Store, rank: int) -> float:
     """Seconds since ``rank`` last showed it was busy (see :func:`busy`); infinite if it never did."""
     beat_key = f"{_PREFIX}alive/{rank}"
@@ -203,8 +220,8 @@ def _forget(store: dist.Store, key: str, rank: int) -> None:
         return
     store.delete_key(f"{key}/p{rank}")
     if rank == 0:
-        store.delete_key(f"{key}/n")
-        store.delete_key(f"{key}/state")
+        for name in ("n", "state", "done"):
+            store.delete_key(f"{key}/{name}")
 
 
 @contextmanager

@@ -86,5 +86,5 @@ def group_ranks(group: Any) -> list[int]:
         raise ValueError("no process group is initialised")
     try:
         return dist.get_process_group_ranks(group)
-    except (RuntimeError, ValueError) as error:
-        raise ValueError(str(error)) from error
+    except (KeyError, RuntimeError, ValueError) as error:  # KeyError: a group torch no longer knows
+        raise ValueError(f"unknown process group {error}") from error
