@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 import numbers
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -184,9 +185,15 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         failure = None
         with busy(interval=min(1.0, self.sync_timeout / 4)):
             try:
+                started = time.perf_counter()
                 checkpoint = map_objects(objects, lambda _, obj: obj.state_dict())
+                gathered = time.perf_counter()
                 if rank == self.consolidate_recipient_rank:
                     self._write(checkpoint, agreed)
+                    logger.info(
+                        "Checkpoint %s: state gathered in %.2f s, written in %.2f s",
+                        agreed.filename, gathered - started, time.perf_counter() - gathered,
+                    )
             except Exception as error:
                 failure = error
         settle(failure, what=f"checkpoint save of {agreed.filename}", timeout=self.sync_timeout)

@@ -1,6 +1,7 @@
 """ZeRO and OSS through Checkpoint on real gloo ranks: saved state equals torch's own consolidation, loads on any
 world size, resumes bitwise, and every misuse fails on every rank instead of hanging."""
 
+import functools
 import logging
 
 import pytest
@@ -322,3 +323,38 @@ def test_consolidate_handler_leaves_the_current_state_on_the_recipient(kind, rec
     # it ran at the end of epoch 2 (iteration 4): the state the handlers after it see is current
     assert [iteration for iteration, _ in states] == [4]
     assert_state_equal(states[0][1], expected)
+
+
+def _counting(method, calls):
+    @functools.wraps(method)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return method(*args, **kwargs)
+
+    return counted
+
+
+def _reload(rank, world_size, dirname):
+    model = DistributedDataParallel(tiny_model())
+    optimizer = zero_adam(model)
+    trainer = _trainer(model, optimizer, rank)
+    checkpoint = Checkpoint({"model": model, "optimizer": optimizer, "trainer": trainer}, DiskSaver(dirname))
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpoint)
+    trainer.run(range(3), max_epochs=1)
+
+    consolidations = []
+    fresh_model = DistributedDataParallel(tiny_model(seed=9))
+    fresh_optimizer = zero_adam(fresh_model)
+    for opt in (optimizer, fresh_optimizer):
+        opt.consolidate_state_dict = _counting(opt.consolidate_state_dict, consolidations)
+    checkpoint.reload_objects({"model": fresh_model, "optimizer": fresh_optimizer}, global_step=3)
+    assert consolidations == [], "reloading runs no consolidation"
+    for opt in (optimizer, fresh_optimizer):
+        opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        assert_state_equal(fresh_optimizer.state_dict(), optimizer.state_dict())
+    assert_state_equal(fresh_model.module.state_dict(), model.module.state_dict())
+
+
+def test_reload_objects_restores_sharded_state_without_consolidating(tmp_path):
+    run_ranks(_reload, 2, tmp_path)
