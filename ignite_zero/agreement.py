@@ -110,13 +110,18 @@ def agree(payload: Any, *, what: str, timeout: float, stream: str = "main") -> l
     channel.rounds[stream] = number + 1
     key = f"{_PREFIX}{stream}/{number}"
 
-    store.set(f"{key}/p{rank}", pickle.dumps((what, payload)))
-    store.add(f"{key}/n", 1)
-    _wait_for_all(store, key, rank, world_size, what, timeout)
-
-    posted = [pickle.loads(raw) for raw in store.multi_get([f"{key}/p{r}" for r in range(world_size)])]
-    _forget(store, f"{_PREFIX}{stream}/{number - 1}", rank)
-    _leave_together(store, key, world_size, timeout)
+    try:
+        store.set(f"{key}/p{rank}", pickle.dumps((what, payload)))
+        store.add(f"{key}/n", 1)
+        _wait_for_all(store, key, rank, world_size, what, timeout)
+        posted = [pickle.loads(raw) for raw in store.multi_get([f"{key}/p{r}" for r in range(world_size)])]
+        _forget(store, f"{_PREFIX}{stream}/{number - 1}", rank)
+        _leave_together(store, key, world_size, timeout)
+    except dist.DistError as error:  # the store itself is gone (DistNetworkError, DistStoreError)
+        raise RankFailureError(
+            f"Lost the process group's store during the {what} ({error}). The process hosting it (rank 0 under "
+            "`idist.Parallel`, the launcher under torchrun) has probably died."
+        ) from error
     operations = {r: op for r, (op, _) in enumerate(posted)}
     if len(set(operations.values())) > 1:
         listing = ", ".join(f"rank {r}: {op}" for r, op in operations.items())
@@ -143,7 +148,13 @@ def settle(failure: BaseException | None, *, what: str, timeout: float, payload:
     if failure is not None and rank_and_world()[1] == 1:
         raise failure
     own = None if failure is None else f"{type(failure).__name__}: {failure}"
-    posted = agree((own, payload), what=what, timeout=timeout)
+    try:
+        posted = agree((own, payload), what=what, timeout=timeout)
+    except CollectiveTimeoutError as timeout_error:
+        if failure is None:
+            raise
+        # e.g. a peer died in the middle of a collective: this rank's error tells how it showed here
+        raise CollectiveTimeoutError(f"{timeout_error} This rank had failed too: {own}") from failure
     failed = [(rank, text) for rank, (text, _) in enumerate(posted) if text is not None]
     if failed:
         listing = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
@@ -153,18 +164,14 @@ def settle(failure: BaseException | None, *, what: str, timeout: float, payload:
 
 def _wait_for_all(store: dist.Store, key: str, rank: int, world_size: int, what: str, timeout: float) -> None:
     state_key = f"{key}/state"
-    started = time.monotonic()
-    deadline = started + timeout
+    deadline = time.monotonic() + timeout
     pause = 0.0005
     while True:
         if store.check([state_key]):
-            if store.get(state_key) == _GO:
+            state = store.get(state_key)
+            if state == _GO:
                 return
-            raise CollectiveTimeoutError(
-                f"The other ranks gave up waiting for rank {rank} at the {what} (timeout {timeout:g} s) and raised "
-                "an error. Call it on every rank at the same point of the program; raise `sync_timeout` if a rank "
-                "is legitimately slower."
-            )
+            raise _timeout_error(rank, pickle.loads(state[len(_ABORT):]), world_size, what, timeout)
         if store.add(f"{key}/n", 0) >= world_size:
             if store.compare_set(state_key, "", _GO) == _GO:
                 return
@@ -177,17 +184,29 @@ def _wait_for_all(store: dist.Store, key: str, rank: int, world_size: int, what:
                 # A missing rank is alive and still busy (e.g. writing the file): keep waiting for it.
                 deadline = now + timeout - silent_for
                 continue
-            if store.compare_set(state_key, "", _ABORT) == _GO:
+            if store.compare_set(state_key, "", _ABORT + pickle.dumps(missing)) == _GO:
                 return
-            arrived = [r for r in range(world_size) if r not in missing]
-            raise CollectiveTimeoutError(
-                f"Timed out after {now - started:.1f} s waiting for ranks {missing} at the {what} (ranks {arrived} "
-                f"arrived). It must be called on every rank of the process group: attach checkpoint handlers on all "
-                f"ranks, never under `if rank == ...`. Raise `sync_timeout` (now {timeout:g} s) if a rank is "
-                "legitimately slower."
-            )
+            raise _timeout_error(rank, missing, world_size, what, timeout)
         time.sleep(pause)
         pause = min(pause * 2, 0.02)
+
+
+def _timeout_error(
+    rank: int, missing: list[int], world_size: int, what: str, timeout: float
+) -> CollectiveTimeoutError:
+    """The same explanation on every rank that gave up, or that arrived after the others gave up."""
+    if rank in missing:
+        return CollectiveTimeoutError(
+            f"The other ranks gave up waiting for ranks {missing} (this one among them) at the {what} after "
+            f"{timeout:g} s, and raised an error. Call it on every rank at the same point of the program; raise "
+            "`sync_timeout` if a rank is legitimately slower."
+        )
+    arrived = [r for r in range(world_size) if r not in missing]
+    return CollectiveTimeoutError(
+        f"Timed out after {timeout:g} s waiting for ranks {missing} at the {what} (ranks {arrived} arrived). It must "
+        "be called on every rank of the process group: attach checkpoint handlers on all ranks, never under "
+        "`if rank == ...`. A rank that died shows up here too. Raise `sync_timeout` if a rank is legitimately slower."
+    )
 
 
 def _leave_together(store: dist.Store, key: str, world_size: int, timeout: float) -> None:

@@ -115,6 +115,7 @@ def verify_file(path: str | Path) -> dict[str, Any] | None:
         IntegrityError: naming the file and what differs.
     """
     path = Path(path)
+    _check_end(path)
     try:
         with zipfile.ZipFile(path) as archive:
             trailer = _parse(archive.comment)
@@ -131,6 +132,24 @@ def verify_file(path: str | Path) -> dict[str, Any] | None:
     except zipfile.BadZipFile as error:
         raise IntegrityError(f"{path} is not a complete checkpoint file ({error}): truncated or corrupt") from error
     return trailer
+
+
+def _check_end(path: Path) -> None:
+    """The zip end record must end the file exactly, with the comment it announces: else bytes were cut off."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(max(0, size - _EOCD.size - 0xFFFF))
+        tail = f.read()
+    start = tail.rfind(_EOCD_SIGNATURE)
+    if start < 0 or len(tail) - start < _EOCD.size:
+        raise IntegrityError(f"{path} is not a complete checkpoint file: no zip end record (truncated or not a torch file)")
+    announced = _EOCD.unpack(tail[start : start + _EOCD.size])[-1]
+    present = len(tail) - start - _EOCD.size
+    if announced != present:
+        raise IntegrityError(
+            f"{path} is truncated or padded: its zip end record announces a {announced}-byte trailer, {present} bytes "
+            "follow it"
+        )
 
 
 def _check_layout(path: Path, archive: zipfile.ZipFile, trailer: dict[str, Any]) -> None:

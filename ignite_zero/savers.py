@@ -8,9 +8,11 @@ removed by the caller (:class:`~ignite_zero.Checkpoint`) only once the new one i
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
+import shutil
 import time
 import uuid
 from collections.abc import Mapping
@@ -23,7 +25,7 @@ from ignite.handlers.checkpoint import BaseSaveHandler
 from ignite_zero import _compat, integrity
 from ignite_zero.agreement import rank_and_world
 
-__all__ = ["DiskSaver", "check_filename"]
+__all__ = ["DiskSaver", "check_filename", "serialized_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +143,7 @@ class DiskSaver(BaseSaveHandler):
         self._prepare()
         path = self.path(filename)
         self._remove_temporaries()
+        self._check_room(checkpoint, path)
         started = time.perf_counter()
         if self._atomic:
             self._write_atomically(checkpoint, path)
@@ -168,11 +171,29 @@ class DiskSaver(BaseSaveHandler):
         _fsync_directory(path.parent)
 
     def _dump(self, checkpoint: Mapping, f: IO[bytes]) -> None:
+        stream = _ErrorKeepingStream(f)
         with _compat.serialization_crc32():
-            torch.save(checkpoint, f, **self.kwargs)
+            try:
+                torch.save(checkpoint, stream, **self.kwargs)
+            except Exception as error:
+                if stream.error is not None:  # the real cause, e.g. ENOSPC or EIO, instead of torch's summary
+                    raise stream.error from error
+                raise
         integrity.seal(f, world_size=rank_and_world()[1], torch=torch.__version__, ignite_zero=_package_version())
         f.flush()
         os.fsync(f.fileno())
+
+    def _check_room(self, checkpoint: Mapping, path: Path) -> None:
+        """Fail before writing, clearly, when the new file cannot fit beside the ones it will replace."""
+        needed = serialized_size(checkpoint)
+        free = shutil.disk_usage(self.dirname).free
+        if needed > free:
+            raise OSError(
+                errno.ENOSPC,
+                f"Not enough disk space for checkpoint {path}: it needs about {needed / 1e6:.1f} MB, "
+                f"{free / 1e6:.1f} MB are free (older checkpoints are removed only after the new one is written). "
+                "Free some space, write elsewhere, or lower `n_saved`.",
+            )
 
     def _remove_temporaries(self) -> None:
         # Left by a process killed while writing; a live writer of this directory is this process alone.
@@ -191,6 +212,51 @@ class DiskSaver(BaseSaveHandler):
             logger.warning("Checkpoint %s was already removed", path)
         else:
             _fsync_directory(path.parent)
+
+
+class _ErrorKeepingStream:
+    """Passes writes to a file and keeps the first error they raise.
+
+    torch's zip writer turns an exception in ``write`` into "unexpected pos ..."; the kept error lets the
+    saver report what really went wrong (no space left, an I/O error).
+    """
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.error: BaseException | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self._f.write(data)
+        except BaseException as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def serialized_size(obj: Any) -> int:
+    """Upper estimate of the bytes ``torch.save`` writes for ``obj``: each distinct storage once, plus records."""
+    storages: dict[int, int] = {}
+    count = 0
+
+    def visit(value: Any) -> None:
+        nonlocal count
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr() if storage.nbytes() else id(value)] = storage.nbytes()
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+        count += 1
+
+    visit(obj)
+    # per record: zip headers and alignment (about 200 bytes); per object: its pickled description
+    return sum(storages.values()) + 256 * len(storages) + 128 * count + (1 << 16)
 
 
 def _fsync_directory(dirname: Path) -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,12 @@ def _entry(rank: int, world_size: int, workdir: Path, fn: Callable[..., Any], ar
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0, init: bool = True
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 90.0,
+    init: bool = True,
+    killed: Collection[int] = (),
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks; return each rank's result.
 
@@ -60,9 +66,10 @@ def run_ranks(
         args: further arguments, e.g. a shared ``tmp_path``.
         timeout: seconds before ranks still running are killed and the test fails.
         init: join the ranks in a gloo process group (False: independent processes, no process group).
+        killed: ranks that must die by SIGKILL (fault injection); their result is ``None``.
 
     Raises:
-        AssertionError: a rank raised, died or hung; the message holds every rank's traceback.
+        AssertionError: a rank raised, died or hung unexpectedly; the message holds every rank's traceback.
     """
     context = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="ignite_zero-ranks-") as tmp:
@@ -85,6 +92,11 @@ def run_ranks(
         problems: list[str] = []
         for rank, process in enumerate(processes):
             result_file = workdir / f"result{rank}"
+            if rank in killed:
+                if process.exitcode != -signal.SIGKILL:
+                    problems.append(f"rank {rank} should have been killed, exit code {process.exitcode}")
+                results.append(None)
+                continue
             if not result_file.exists():
                 problems.append(f"rank {rank}: {'hung' if rank in hung else f'died (exit code {process.exitcode})'}")
                 results.append(None)

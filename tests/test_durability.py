@@ -2,7 +2,6 @@
 write, no retries, atomic overwrites, file modes, weights-only files, integrity checks at load."""
 
 import os
-import zipfile
 
 import numpy as np
 import pytest
@@ -10,7 +9,7 @@ import torch
 from ignite.engine import Engine, Events
 from training import assert_state_equal, tiny_model
 
-from ignite_zero import Checkpoint, DiskSaver, IntegrityError, verify_file
+from ignite_zero import Checkpoint, DiskSaver, verify_file
 
 
 class _Unpicklable:
@@ -120,32 +119,6 @@ def test_retention_removes_old_files_only_after_the_new_one_is_durable(tmp_path)
     _save_at(handler, engine, 1)
     _save_at(handler, engine, 2)
     assert order == ["write", "write", "remove model_1.pt"]
-
-
-def test_corrupt_and_truncated_files_are_refused_at_load(tmp_path):
-    model = tiny_model()
-    Checkpoint({"model": model}, DiskSaver(tmp_path))(_engine())
-    path = tmp_path / "model_0.pt"
-    trailer = verify_file(path)
-    assert trailer["world_size"] == 1 and trailer["torch"] == torch.__version__
-
-    good = path.read_bytes()
-    with zipfile.ZipFile(path) as archive:
-        record = next(info for info in archive.infolist() if info.filename.endswith("data/0"))
-    header = good[record.header_offset : record.header_offset + 30]
-    name_length, extra_length = int.from_bytes(header[26:28], "little"), int.from_bytes(header[28:30], "little")
-    offset = record.header_offset + 30 + name_length + extra_length + 3  # a byte of the first tensor's data
-    corrupt = bytearray(good)
-    corrupt[offset] ^= 0x40
-    path.write_bytes(bytes(corrupt))
-    with pytest.raises(IntegrityError, match=r"model_0.pt: record '.*data/0' is corrupt \(Bad CRC-32"):
-        Checkpoint.load_objects({"model": tiny_model(1)}, path)
-    # plain torch.load would have taken the corrupt value silently
-    assert not torch.equal(torch.load(path, weights_only=True)["0.weight"], model.state_dict()["0.weight"])
-
-    path.write_bytes(good[: len(good) // 2])
-    with pytest.raises(IntegrityError, match="not a complete checkpoint file"):
-        Checkpoint.load_objects({"model": tiny_model(1)}, path)
 
 
 def test_files_without_trailer_load_with_a_warning(tmp_path):

@@ -2,7 +2,6 @@
 world size, resumes bitwise, and every misuse fails on every rank instead of hanging."""
 
 import functools
-import logging
 
 import pytest
 import torch
@@ -209,59 +208,6 @@ def _overlap_with_ddp(rank, world_size, dirname):
 def test_zero_overlapping_ddp_before_its_initialisation_is_a_clear_error(tmp_path):
     # torch refuses the overlap hook on gloo, so the initialised case runs only with NCCL.
     run_ranks(_overlap_with_ddp, 2, tmp_path)
-
-
-def _save_on_one_rank(rank, world_size, dirname):
-    model = tiny_model()
-    optimizer = zero_adam(model)
-    checkpoint = Checkpoint({"optimizer": optimizer}, DiskSaver(dirname), sync_timeout=1.0)
-    if rank == 0:
-        with pytest.raises(CollectiveTimeoutError, match=r"waiting for ranks \[1\] at the checkpoint save"):
-            checkpoint(Engine(lambda e, b: None))
-    # everyone can still communicate
-    value = torch.ones(1)
-    dist.all_reduce(value)
-    return value.item()
-
-
-def test_save_called_on_one_rank_fails_fast_instead_of_hanging(tmp_path):
-    assert run_ranks(_save_on_one_rank, 2, tmp_path, timeout=30) == [2.0, 2.0]
-    assert list(tmp_path.iterdir()) == []
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
-def _rank_dependent_score(rank, world_size, dirname):
-    records = _Records()
-    logging.getLogger("ignite_zero").addHandler(records)
-    model = tiny_model()
-    optimizer = zero_adam(model)
-    engine = Engine(lambda e, b: None)
-    checkpoint = Checkpoint(
-        {"model": model, "optimizer": optimizer},
-        DiskSaver(dirname),
-        score_function=lambda _: 0.5 + rank,
-        score_name="acc",
-        n_saved=2,
-        consolidate_recipient_rank=1,
-    )
-    checkpoint(engine)
-    return checkpoint.last_checkpoint.name, records.messages
-
-
-def test_rank_dependent_score_uses_the_recipients_and_warns(tmp_path):
-    results = run_ranks(_rank_dependent_score, 2, tmp_path)
-    assert [name for name, _ in results] == ["checkpoint_acc=1.5000.pt"] * 2
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_acc=1.5000.pt"]
-    assert "following the recipient" in results[0][1][0]
-    assert results[1][1] == []
 
 
 def _failing_write(rank, world_size):
