@@ -34,7 +34,7 @@ import copy
 import io
 import math
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -50,7 +50,10 @@ __all__ = [
     "cpu_group",
     "gather_pieces",
     "gather_to",
+    "receive_from",
     "scatter_from",
+    "send_failure",
+    "send_to",
 ]
 
 #: Largest message and staging buffer. Gathering 400 MB over gloo/TCP on a 2-core host took 0.37 s with
@@ -426,6 +429,41 @@ class _IncomingObject:
         return _TensorInjector(self._structure, self._tensors).load()
 
 
+def send_to(obj: Any, dst: int, group: ProcessGroup | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    """Send ``obj`` to the global rank ``dst``, which calls :func:`receive_from`; point to point.
+
+    Raises:
+        TypeError: ``obj`` holds a tensor without plain strided data; ``dst`` is told and raises too.
+    """
+    ranks = _resolve(group, dst, "dst")
+    try:
+        outgoing = _prepare(obj, chunk_bytes)
+    except Exception as error:  # an unpicklable leaf or an unsupported tensor: tell `dst`, then fail here
+        _send_error(error, dst, ranks.group)
+        raise
+    _send_object(outgoing, dst, ranks.group)
+
+
+def send_failure(error: BaseException, dst: int, group: ProcessGroup | None = None) -> None:
+    """Tell the global rank ``dst``, waiting in :func:`receive_from`, that its object will not come: it raises."""
+    _send_error(error, dst, _resolve(group, dst, "dst").group)
+
+
+def receive_from(src: int, group: ProcessGroup | None = None) -> Any:
+    """Receive the object the global rank ``src`` sends with :func:`send_to`.
+
+    Returns:
+        The object; its tensors are CPU views of one flat buffer per dtype.
+
+    Raises:
+        RuntimeError: ``src`` could not send it.
+    """
+    ranks = _resolve(group, src, "src")
+    incoming = _IncomingObject(src, _recv_bytes(src, ranks.group, "the object"))
+    _receive_all([incoming.receiver], ranks.group)
+    return incoming.result()
+
+
 def gather_to(
     obj: Any, dst: int, group: ProcessGroup | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
 ) -> list[Any] | None:
@@ -457,12 +495,7 @@ def gather_to(
     """
     ranks = _resolve(group, dst, "dst")
     if ranks.rank != ranks.root:
-        try:
-            outgoing = _prepare(obj, chunk_bytes)
-        except Exception as error:  # an unpicklable leaf or an unsupported tensor: tell `dst`, then fail here
-            _send_error(error, dst, ranks.group)
-            raise
-        _send_object(outgoing, dst, ranks.group)
+        send_to(obj, dst, group, chunk_bytes=chunk_bytes)
         return None
     incoming: dict[int, _IncomingObject] = {}
     failures: dict[int, str] = {}
@@ -502,9 +535,7 @@ def scatter_from(
     """
     ranks = _resolve(group, src, "src")
     if ranks.rank != ranks.root:
-        incoming = _IncomingObject(src, _recv_bytes(src, ranks.group, "this rank's object"))
-        _receive_all([incoming.receiver], ranks.group)
-        return incoming.result()
+        return receive_from(src, group)
     if not isinstance(objs, Sequence) or len(objs) != ranks.size:
         error = ValueError(f"Argument `objs` should hold one object per rank ({ranks.size}), but given {type(objs)}")
         for peer in range(ranks.size):

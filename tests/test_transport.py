@@ -203,7 +203,7 @@ def _test_errors(rank: int, world_size: int) -> None:
         with pytest.raises(ValueError, match="one object per rank"):
             scatter_from([ok], 0)
     else:
-        with pytest.raises(RuntimeError, match=r"rank 0 could not send this rank's object.*one object per rank"):
+        with pytest.raises(RuntimeError, match=r"rank 0 could not send the object.*one object per rank"):
             scatter_from(None, 0)
     # One bad object: that rank and src raise, the other rank gets its object.
     objs = [{"x": torch.zeros(3)}, ok, {"bad": torch.eye(2).to_sparse()}] if rank == 1 else None

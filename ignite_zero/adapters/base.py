@@ -5,13 +5,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
 
 from ignite_zero.agreement import rank_and_world
 
-__all__ = ["ShardedState", "copy_structure", "group_ranks"]
+__all__ = ["Part", "ShardedState", "copy_structure", "group_ranks"]
+
+
+@runtime_checkable
+class Part(Protocol):
+    """A small, picklable description of the part of a checkpoint entry that one rank needs."""
+
+    def select(self, entry: Any) -> Any:
+        """That part of ``entry``, sharing its tensors."""
 
 
 class ShardedState(ABC):
@@ -51,6 +59,11 @@ class ShardedState(ABC):
                 f"Recipient rank {self.recipient_rank} is outside the process group of {world_size} ranks; "
                 f"choose a rank in [0, {world_size})"
             )
+
+    def part_needed(self) -> Part | None:
+        """What this rank needs of its entry when another rank reads the checkpoint for it (a file in a
+        directory this rank cannot see); ``None``: all of it."""
+        return None
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ignite_zero import _compat
+from ignite_zero import _compat, transport
 from ignite_zero.adapters.base import ShardedState, copy_structure, group_ranks
 
-__all__ = ["ZeROState", "consolidate", "recipient_keyword"]
+__all__ = ["OptimizerStatePart", "ZeROState", "consolidate", "recipient_keyword"]
 
 
 def recipient_keyword(consolidate_state_dict: Callable[..., Any]) -> str | None:
@@ -52,16 +53,41 @@ def process_group_of(optimizer: Any) -> Any:
 
 
 def consolidate(optimizer: Any, recipient_rank: int) -> None:
-    """Run ``optimizer.consolidate_state_dict`` towards the global rank ``recipient_rank``; a collective.
+    """Consolidate a sharded optimizer's state on the global rank ``recipient_rank``; a collective.
 
-    The optimizers count the recipient within their own process group, so a global rank is translated.
+    Afterwards ``optimizer.state_dict()`` on the recipient returns the current global state, exactly as after
+    the optimizer's own ``consolidate_state_dict``. For ``ZeroRedundancyOptimizer`` and fairscale's ``OSS``
+    the local states travel through :func:`ignite_zero.transport.gather_to` (raw tensors, to the recipient
+    only, over gloo) into the list the optimizer merges from, so its own ``state_dict()`` does the merge;
+    any other optimizer runs its own ``consolidate_state_dict``, the recipient translated to its group.
     """
-    group_recipient = dist.get_group_rank(process_group_of(optimizer), recipient_rank)
-    keyword = recipient_keyword(optimizer.consolidate_state_dict)
-    if keyword is None:
-        optimizer.consolidate_state_dict(group_recipient)
-    else:
-        optimizer.consolidate_state_dict(**{keyword: group_recipient})
+    group = process_group_of(optimizer)
+    attribute = _compat.consolidated_state_attribute(optimizer)
+    if attribute is None:
+        group_recipient = dist.get_group_rank(group, recipient_rank)
+        keyword = recipient_keyword(optimizer.consolidate_state_dict)
+        if keyword is None:
+            optimizer.consolidate_state_dict(group_recipient)
+        else:
+            optimizer.consolidate_state_dict(**{keyword: group_recipient})
+        return
+    # What consolidate_state_dict does besides moving data: hyperparameters changed on the exposed groups
+    # (a learning-rate scheduler) reach the local optimizer whose state is gathered.
+    for exposed, local in zip(optimizer.param_groups, optimizer.optim.param_groups):
+        local.update((key, value) for key, value in exposed.items() if key != "params")
+    states = transport.gather_to(optimizer.optim.state_dict(), recipient_rank, transport.cpu_group(group))
+    setattr(optimizer, attribute, states or [])
+
+
+@dataclass(frozen=True)
+class OptimizerStatePart:
+    """The state of some parameters (by index) of an optimizer state dict, with all its param_groups."""
+
+    indices: tuple[int, ...]
+
+    def select(self, entry: Mapping[str, Any]) -> dict[str, Any]:
+        state = entry["state"]
+        return {**entry, "state": {index: state[index] for index in self.indices if index in state}}
 
 
 class ZeROState(ShardedState):
@@ -133,9 +159,18 @@ class ZeROState(ShardedState):
             return {}
         state = _to_cpu(self.obj.state_dict())
         attribute = _compat.consolidated_state_attribute(self.obj)
-        if attribute is not None:
+        if attribute is not None:  # release the optimizer's reference: the returned state is the only copy
             setattr(self.obj, attribute, [])
         return state
+
+    def part_needed(self) -> OptimizerStatePart | None:
+        """The state of the parameters this rank owns: each rank loads only its partition."""
+        local = getattr(self.obj, "optim", None)
+        if local is None:  # an optimizer whose partition is unknown: it gets the whole state
+            return None
+        owned = {id(p) for group in local.param_groups for p in group["params"]}
+        everything = [p for group in self.obj.param_groups for p in group["params"]]
+        return OptimizerStatePart(tuple(index for index, p in enumerate(everything) if id(p) in owned))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= state_dict.keys():
