@@ -18,16 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import checkpoint as ignite_checkpoint
 from ignite.handlers.checkpoint import BaseSaveHandler
-from torch import nn
 
-from ignite_zero import integrity
 from ignite_zero._compat import CheckpointEvents
 from ignite_zero.adapters import ShardedState, adapt, map_objects
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, busy, rank_and_world, settle
+from ignite_zero.loading import restore
 from ignite_zero.savers import DiskSaver, check_filename
 
 __all__ = ["Checkpoint", "ModelCheckpoint"]
@@ -335,30 +333,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         if not isinstance(to_load, Mapping):
             raise TypeError(f"Argument `to_load` should be a dictionary, but given {type(to_load)}")
         _check_objects(to_load, "load_state_dict")
-        _, world_size = rank_and_world()
-        objects = map_objects(to_load, lambda _, obj: adapt(obj, 0))
-        sharded: list[bool] = []
-        map_objects(objects, lambda _, obj: sharded.append(isinstance(obj, ShardedState)))
-        collective = world_size > 1 and any(sharded)
-
-        if not collective:
-            entries = _entries(objects, _read(checkpoint, weights_only))
-            _pair(objects, entries, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
-            _pair(objects, entries, lambda path, obj, entry: _load_entry(path, obj, entry, kwargs))
-            return
-        entries, failure = None, None
-        try:
-            entries = _entries(objects, _read(checkpoint, weights_only))
-            _pair(objects, entries, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
-        except Exception as error:
-            failure = error
-        settle(failure, what="checkpoint load", timeout=sync_timeout)
-        failure = None
-        try:
-            _pair(objects, entries, lambda path, obj, entry: _load_entry(path, obj, entry, kwargs))
-        except Exception as error:
-            failure = error
-        settle(failure, what="checkpoint load (restoring objects)", timeout=sync_timeout)
+        restore(to_load, checkpoint, weights_only=weights_only, sync_timeout=sync_timeout, kwargs=kwargs)
 
 
 class ModelCheckpoint(Checkpoint):
@@ -510,73 +485,3 @@ def _check_layouts(layouts: list[list[str]]) -> None:
 
 def _summary(plan: _SavePlan | None) -> str:
     return "no save" if plan is None else f"{plan.filename} (priority {plan.priority})"
-
-
-def _read(checkpoint: str | Path | Mapping, weights_only: bool) -> Mapping:
-    if isinstance(checkpoint, Mapping):
-        return checkpoint
-    path = Path(checkpoint)
-    if not path.is_file():
-        raise FileNotFoundError(f"Checkpoint file {path} does not exist on rank {rank_and_world()[0]}")
-    integrity.verify_file(path)
-    return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
-
-
-def _entries(objects: Mapping, loaded: Mapping) -> Any:
-    """The entry of ``loaded`` for each object, in the shape of ``objects``."""
-    if len(objects) == 1:
-        key = next(iter(objects))
-        if key not in loaded:  # a single-object save holds the object's state dict itself
-            return {key: loaded}
-    missing = [key for key in objects if key not in loaded]
-    if missing:
-        raise KeyError(
-            f"The checkpoint has no entry for {missing} (it holds {sorted(loaded)}); load only the objects it "
-            "holds, or pass the right file."
-        )
-    return {key: loaded[key] for key in objects}
-
-
-def _pair(objects: Any, entries: Any, func: Callable[[str, Any, Any], None], path: str = "") -> None:
-    """Call ``func(path, obj, entry)`` for every object of a nested ``to_load`` and its checkpoint entry."""
-    if isinstance(objects, Mapping):
-        for key, obj in objects.items():
-            if not isinstance(entries, Mapping) or key not in entries:
-                raise KeyError(f"The checkpoint has no entry {path}[{key!r}]; load only the objects it holds")
-            _pair(obj, entries[key], func, f"{path}[{key!r}]")
-    elif isinstance(objects, list):
-        if not isinstance(entries, (list, tuple)) or len(entries) != len(objects):
-            raise KeyError(f"The checkpoint entry {path} does not hold {len(objects)} objects")
-        for index, (obj, entry) in enumerate(zip(objects, entries)):
-            _pair(obj, entry, func, f"{path}[{index}]")
-    else:
-        func(path, objects, entries)
-
-
-def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:
-    """Refuse, before anything is loaded, a module whose entry would not load strictly."""
-    if not isinstance(obj, nn.Module) or not kwargs.get("strict", True):
-        return
-    if not isinstance(entry, Mapping):
-        raise ValueError(f"The checkpoint entry {path} is a {type(entry).__name__}, not a state dict")
-    expected = obj.state_dict()
-    missing = [name for name in expected if name not in entry]
-    unexpected = [name for name in entry if name not in expected]
-    shapes = [
-        f"{name}: checkpoint {tuple(entry[name].shape)}, model {tuple(value.shape)}"
-        for name, value in expected.items()
-        if isinstance(value, torch.Tensor) and isinstance(entry.get(name), torch.Tensor)
-        and entry[name].shape != value.shape
-    ]
-    if missing or unexpected or shapes:
-        raise ValueError(
-            f"The checkpoint entry {path} does not fit the model: missing keys {missing}, unexpected keys "
-            f"{unexpected}, different shapes {shapes}. Nothing was loaded. Pass `strict=False` to load what fits."
-        )
-
-
-def _load_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:
-    if isinstance(obj, nn.Module):
-        obj.load_state_dict(entry, **kwargs)
-    else:
-        obj.load_state_dict(entry)

@@ -166,7 +166,9 @@ class DiskSaver(BaseSaveHandler):
         _fsync_directory(path.parent)
 
     def _write_in_place(self, checkpoint: Mapping, path: Path) -> None:
-        with os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666), "w+b") as f:
+        # A new file rather than the old one truncated: a process that loaded the old one with mmap keeps it.
+        path.unlink(missing_ok=True)
+        with os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), "w+b") as f:
             self._dump(checkpoint, f)
         _fsync_directory(path.parent)
 

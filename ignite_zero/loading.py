@@ -1,0 +1,208 @@
+"""Loading: a checkpoint read where it can be, each rank given what it needs, every object restored or none.
+
+When ``to_load`` holds sharded objects and several ranks run, loading is a collective in three rounds of
+agreement (:func:`ignite_zero.agreement.settle`):
+
+1. Every rank says whether it sees the file (and which: size and integrity trailer), and what part of each
+   sharded entry it needs (:meth:`ShardedState.part_needed`).
+2. Ranks that see the file open it with ``mmap``, so ranks of one host share its pages instead of holding
+   one private copy each; one rank per host verifies its integrity. The first rank that sees it sends every
+   rank that does not (a private or node-local directory) only the part it asked for. Every rank then
+   checks its entries, and nothing is loaded anywhere unless every check passed.
+3. Every rank restores its objects, and learns whether all others did.
+
+With plain objects only, or without a process group, loading is local, as in ignite.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ignite_zero import integrity, transport
+from ignite_zero.adapters import ShardedState, adapt, map_objects
+from ignite_zero.agreement import rank_and_world, settle
+
+__all__ = ["restore"]
+
+
+def restore(
+    to_load: Mapping, checkpoint: str | Path | Mapping, *, weights_only: bool, sync_timeout: float, kwargs: Mapping
+) -> None:
+    """Restore ``to_load`` from ``checkpoint``; see :meth:`ignite_zero.Checkpoint.load_objects`."""
+    objects = map_objects(to_load, lambda _, obj: adapt(obj, 0))
+    sharded: list[bool] = []
+    map_objects(objects, lambda _, obj: sharded.append(isinstance(obj, ShardedState)))
+    rank, world_size = rank_and_world()
+    if world_size == 1 or not any(sharded):
+        if not isinstance(checkpoint, Mapping):
+            checkpoint = _read(Path(checkpoint), weights_only, verify=True)
+        entries = _entries(objects, checkpoint)
+        _pair(objects, entries, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
+        _pair(objects, entries, lambda path, obj, entry: _load_entry(obj, entry, kwargs))
+        return
+
+    parts = map_objects(objects, lambda _, obj: obj.part_needed() if isinstance(obj, ShardedState) else None)
+    identity, failure = None, None
+    try:
+        identity = "in memory" if isinstance(checkpoint, Mapping) else _identity(Path(checkpoint))
+    except Exception as error:
+        failure = error
+    reports = settle(
+        failure, what="checkpoint load", timeout=sync_timeout, payload=(socket.gethostname(), identity, parts)
+    )
+    seers = [r for r, (_, seen, _) in enumerate(reports) if seen is not None]
+    _check_seers(checkpoint, reports, seers)
+
+    entries, failure = None, None
+    try:
+        if identity is not None:
+            loaded = checkpoint if isinstance(checkpoint, Mapping) else _read(
+                Path(checkpoint), weights_only, verify=_verifies(rank, reports, seers)
+            )
+            entries = _entries(objects, loaded)
+        entries = _distribute(entries, [need for _, _, need in reports], seers)
+        _pair(objects, entries, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
+    except Exception as error:
+        failure = error
+    settle(failure, what="checkpoint load (reading and checking)", timeout=sync_timeout)
+
+    failure = None
+    try:
+        _pair(objects, entries, lambda path, obj, entry: _load_entry(obj, entry, kwargs))
+    except Exception as error:
+        failure = error
+    settle(failure, what="checkpoint load (restoring objects)", timeout=sync_timeout)
+
+
+def _identity(path: Path) -> tuple[int, int | None] | None:
+    """What this rank sees at ``path``: ``None`` if nothing, else its size and directory checksum."""
+    if not path.is_file():
+        return None
+    trailer = integrity.read_trailer(path)  # cheap: the central directory only; fails on a truncated file
+    return path.stat().st_size, None if trailer is None else trailer["directory_crc32"]
+
+
+def _check_seers(checkpoint: Any, reports: list[tuple[str, Any, Any]], seers: list[int]) -> None:
+    if not seers:
+        raise FileNotFoundError(f"Checkpoint file {checkpoint} exists on no rank; pass the path of an existing file")
+    identities = {reports[r][1] for r in seers}
+    if len(identities) > 1:
+        listing = ", ".join(f"rank {r}: {reports[r][1]}" for r in seers)
+        raise ValueError(
+            f"Ranks see different files at {checkpoint} (size, checksum: {listing}): a stale copy on some node? "
+            "Make every rank see the same file, or only one."
+        )
+
+
+def _verifies(rank: int, reports: list[tuple[str, Any, Any]], seers: list[int]) -> bool:
+    """One rank per host checks the whole file: the others read the same pages."""
+    host = reports[rank][0]
+    return rank == next(r for r in seers if reports[r][0] == host)
+
+
+def _read(path: Path, weights_only: bool, verify: bool) -> Any:
+    if not path.is_file():
+        raise FileNotFoundError(f"Checkpoint file {path} does not exist on rank {rank_and_world()[0]}")
+    if verify:
+        integrity.verify_file(path)
+    return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+
+
+def _distribute(entries: Any, needs: list[Any], seers: list[int]) -> Any:
+    """Send each rank that cannot read the file the part of every entry it needs; return this rank's entries."""
+    rank, world_size = rank_and_world()
+    needy = [r for r in range(world_size) if r not in seers]
+    if not needy:
+        return entries
+    group = transport.cpu_group()
+    if rank in needy:
+        return transport.receive_from(seers[0], group)
+    if rank == seers[0]:
+        failures = []
+        for r in needy:  # every needy rank is answered, with its part or with the error
+            try:
+                part = _select(entries, needs[r])
+            except Exception as error:
+                transport.send_failure(error, r, group)
+                failures.append(error)
+                continue
+            transport.send_to(part, r, group)
+        if failures:
+            raise failures[0]
+    return entries
+
+
+def _select(entries: Any, parts: Any) -> Any:
+    """What a rank needs of ``entries``: every entry whole, except where it asked for a part."""
+    if isinstance(parts, Mapping):
+        return {key: _select(entries[key], part) for key, part in parts.items()}
+    if isinstance(parts, list):
+        return [_select(entry, part) for entry, part in zip(entries, parts)]
+    return entries if parts is None else parts.select(entries)
+
+
+def _entries(objects: Mapping, loaded: Mapping) -> Any:
+    """The entry of ``loaded`` for each object, in the shape of ``objects``."""
+    if len(objects) == 1:
+        key = next(iter(objects))
+        if key not in loaded:  # a single-object save holds the object's state dict itself
+            return {key: loaded}
+    missing = [key for key in objects if key not in loaded]
+    if missing:
+        raise KeyError(
+            f"The checkpoint has no entry for {missing} (it holds {sorted(loaded)}); load only the objects it "
+            "holds, or pass the right file."
+        )
+    return {key: loaded[key] for key in objects}
+
+
+def _pair(objects: Any, entries: Any, func: Callable[[str, Any, Any], None], path: str = "") -> None:
+    """Call ``func(path, obj, entry)`` for every object of a nested ``to_load`` and its checkpoint entry."""
+    if isinstance(objects, Mapping):
+        for key, obj in objects.items():
+            if not isinstance(entries, Mapping) or key not in entries:
+                raise KeyError(f"The checkpoint has no entry {path}[{key!r}]; load only the objects it holds")
+            _pair(obj, entries[key], func, f"{path}[{key!r}]")
+    elif isinstance(objects, list):
+        if not isinstance(entries, (list, tuple)) or len(entries) != len(objects):
+            raise KeyError(f"The checkpoint entry {path} does not hold {len(objects)} objects")
+        for index, (obj, entry) in enumerate(zip(objects, entries)):
+            _pair(obj, entry, func, f"{path}[{index}]")
+    else:
+        func(path, objects, entries)
+
+
+def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:
+    """Refuse, before anything is loaded, a module whose entry would not load strictly."""
+    if not isinstance(obj, nn.Module) or not kwargs.get("strict", True):
+        return
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"The checkpoint entry {path} is a {type(entry).__name__}, not a state dict")
+    expected = obj.state_dict()
+    missing = [name for name in expected if name not in entry]
+    unexpected = [name for name in entry if name not in expected]
+    shapes = [
+        f"{name}: checkpoint {tuple(entry[name].shape)}, model {tuple(value.shape)}"
+        for name, value in expected.items()
+        if isinstance(value, torch.Tensor)
+        and isinstance(entry.get(name), torch.Tensor)
+        and entry[name].shape != value.shape
+    ]
+    if missing or unexpected or shapes:
+        raise ValueError(
+            f"The checkpoint entry {path} does not fit the model: missing keys {missing}, unexpected keys "
+            f"{unexpected}, different shapes {shapes}. Nothing was loaded. Pass `strict=False` to load what fits."
+        )
+
+
+def _load_entry(obj: Any, entry: Any, kwargs: Mapping) -> None:
+    if isinstance(obj, nn.Module):
+        obj.load_state_dict(entry, **kwargs)
+    else:
+        obj.load_state_dict(entry)
