@@ -45,7 +45,15 @@ _GO, _ABORT = b"go", b"abort"
 
 
 class CollectiveTimeoutError(RuntimeError):
-    """Some ranks did not reach a collective save or load in time."""
+    """Some ranks did not reach a collective save or load in time.
+
+    Attributes:
+        posted: what the ranks that did arrive posted in the round, by rank.
+    """
+
+    def __init__(self, message: str, posted: dict[int, Any] | None = None) -> None:
+        super().__init__(message)
+        self.posted = posted or {}
 
 
 class RankFailureError(RuntimeError):
@@ -113,7 +121,12 @@ def agree(payload: Any, *, what: str, timeout: float, stream: str = "main") -> l
     try:
         store.set(f"{key}/p{rank}", pickle.dumps((what, payload)))
         store.add(f"{key}/n", 1)
-        _wait_for_all(store, key, rank, world_size, what, timeout)
+        try:
+            _wait_for_all(store, key, rank, world_size, what, timeout)
+        except CollectiveTimeoutError as error:
+            arrived = [r for r in range(world_size) if store.check([f"{key}/p{r}"])]
+            error.posted = {r: pickle.loads(store.get(f"{key}/p{r}"))[1] for r in arrived}
+            raise
         posted = [pickle.loads(raw) for raw in store.multi_get([f"{key}/p{r}" for r in range(world_size)])]
         _forget(store, f"{_PREFIX}{stream}/{number - 1}", rank)
         _leave_together(store, key, world_size, timeout)
@@ -151,10 +164,13 @@ def settle(failure: BaseException | None, *, what: str, timeout: float, payload:
     try:
         posted = agree((own, payload), what=what, timeout=timeout)
     except CollectiveTimeoutError as timeout_error:
-        if failure is None:
+        # e.g. a peer died in the middle of the operation: how it showed on the ranks that arrived
+        reports = [f"rank {r}: {text}" for r, (text, _) in sorted(timeout_error.posted.items()) if text is not None]
+        if not reports:
             raise
-        # e.g. a peer died in the middle of a collective: this rank's error tells how it showed here
-        raise CollectiveTimeoutError(f"{timeout_error} This rank had failed too: {own}") from failure
+        raise CollectiveTimeoutError(
+            f"{timeout_error} Ranks that arrived reported errors: {'; '.join(reports)}", timeout_error.posted
+        ) from failure
     failed = [(rank, text) for rank, (text, _) in enumerate(posted) if text is not None]
     if failed:
         listing = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
