@@ -304,3 +304,19 @@ def _reload(rank, world_size, dirname):
 
 def test_reload_objects_restores_sharded_state_without_consolidating(tmp_path):
     run_ranks(_reload, 2, tmp_path)
+
+
+def _private_attribute(rank, world_size):
+    from ignite_zero import _compat
+
+    model = tiny_model()
+    return (
+        _compat.consolidated_state_attribute(zero_adam(model)),
+        _compat.consolidated_state_attribute(OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01)),
+    )
+
+
+def test_the_fast_path_still_finds_where_zero_and_oss_keep_consolidated_state():
+    """If torch or fairscale rename the list they merge from, this fails loudly (at run time the optimizers'
+    own, slower consolidation takes over)."""
+    assert run_ranks(_private_attribute, 2)[0] == ("_all_state_dicts", "_all_states")
