@@ -1,0 +1,151 @@
+"""What every benchmark needs: ranks in a gloo process group, resident memory sampled while an operation runs,
+and the statistics the tables print.
+
+Memory is the growth of a process's resident set during one operation: a background thread samples
+``/proc/self/statm`` every ``interval`` seconds (5 ms), and the kernel's own high-water mark is reset just
+before and read just after (``/proc/self/clear_refs``), which catches peaks between samples. Every rank
+makes glibc serve buffers of 1 MiB and more with ``mmap`` (``mallopt``), so that they go back to the system
+when freed: otherwise glibc reuses freed memory and the growth of a later operation disappears.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import statistics
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Measurement", "launch", "measure", "scratch_directory", "summary"]
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def _high_water_mark() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _reset_high_water_mark() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+@dataclass
+class Measurement:
+    """Seconds and resident-memory growth (bytes) of one operation on one rank."""
+
+    seconds: float = 0.0
+    growth: int = 0
+    samples: int = 0
+
+
+@contextmanager
+def measure(interval: float = 0.005) -> Iterator[Measurement]:
+    """Time the ``with`` block and record the peak growth of this process's resident set during it."""
+    result = Measurement()
+    baseline = _rss()
+    peak = [baseline]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(interval):
+            peak[0] = max(peak[0], _rss())
+            result.samples += 1
+
+    _reset_high_water_mark()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    started = time.perf_counter()
+    try:
+        yield result
+    finally:
+        result.seconds = time.perf_counter() - started
+        stop.set()
+        sampler.join()
+        result.growth = max(peak[0], _rss(), _high_water_mark()) - baseline
+
+
+def _return_freed_memory() -> None:
+    libc = ctypes.CDLL(None)
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 20)
+
+
+def _entry(
+    rank: int,
+    world_size: int,
+    workdir: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: Any,
+) -> None:
+    torch.set_num_threads(1)
+    _return_freed_memory()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{workdir}/store",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=10),
+    )
+    try:
+        results.put((rank, fn(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, RuntimeError(traceback.format_exc())))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks of a gloo group; return their results."""
+    context = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="ignite_zero-bench-") as workdir:
+        results = context.Queue()
+        processes = [
+            context.Process(
+                target=_entry, args=(rank, world_size, workdir, fn, args, results)
+            )
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        collected = dict(results.get() for _ in processes)
+        for process in processes:
+            process.join()
+    errors = [value for value in collected.values() if isinstance(value, Exception)]
+    if errors:
+        raise errors[0]
+    return [collected[rank] for rank in range(world_size)]
+
+
+def summary(values: Sequence[float]) -> tuple[float, float, float]:
+    """(min, median, max)."""
+    return min(values), statistics.median(values), max(values)
+
+
+def scratch_directory() -> Path:
+    """A directory on the disk the benchmarks write to (``IGNITE_ZERO_BENCH_DIR``, else the temporary one)."""
+    return Path(os.environ.get("IGNITE_ZERO_BENCH_DIR", tempfile.gettempdir()))

@@ -1,0 +1,201 @@
+"""Consolidated save of ZeRO state: ignite_zero's ``Checkpoint`` against ignite 0.5.5's and a single-process
+``torch.save``.
+
+    python benchmarks/consolidate.py                                   # 25M and 100M parameters, 2 and 4 ranks
+    python benchmarks/consolidate.py --params 25e6 100e6 250e6 --runs 5
+
+Every configuration trains one step of Adam under ``ZeroRedundancyOptimizer`` on ``--world-sizes`` gloo ranks
+(CPU), then saves ``{"model", "optimizer"}`` (a file of 12 bytes per parameter) again and again, interleaving
+three paths after a warm-up round:
+
+- ``ignite_zero``: ``ignite_zero.Checkpoint(consolidate_recipient_rank=0)`` with its ``DiskSaver``: agreement,
+  gather to rank 0, integrity trailer, fsync of file and directory;
+- ``ignite``: ``ignite.handlers.Checkpoint(save_on_rank=0)`` with ignite's ``DiskSaver``, which consolidates
+  with ``ZeroRedundancyOptimizer.consolidate_state_dict``;
+- ``torch.save``: the floor, one process writing the same consolidated state, plus an fsync.
+
+The table gives min/median/max seconds, GB/s (file size / median), each path's median against the floor's
+and ignite's, and the peak growth of resident memory on the recipient (against the full state) and on the
+worst other rank (against its optimizer shard), sampled every 5 ms (see ``_common.py``). The floor is timed
+alone, while the other ranks wait. Set ``IGNITE_ZERO_BENCH_DIR`` to write elsewhere than the temporary
+directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import launch, measure, scratch_directory, summary
+from ignite.engine import Engine
+from ignite.handlers import Checkpoint as IgniteCheckpoint
+from ignite.handlers import DiskSaver as IgniteDiskSaver
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from ignite_zero import Checkpoint, DiskSaver
+from ignite_zero.adapters import ZeROState
+
+PATHS = ("ignite_zero", "ignite", "torch.save")
+_TENSOR = 4 * 2**20  # parameters per tensor: ZeRO spreads whole tensors over ranks
+
+
+class _Parameters(nn.Module):
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        sizes = [_TENSOR] * (count // _TENSOR) + (
+            [count % _TENSOR] if count % _TENSOR else []
+        )
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.randn(size) * 0.01) for size in sizes
+        )
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rank(
+    rank: int, world_size: int, count: int, runs: int, directory: Path
+) -> dict[str, Any]:
+    model = _Parameters(count)
+    optimizer = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3
+    )
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    to_save = {"model": model, "optimizer": optimizer}
+    ours = Checkpoint(
+        to_save,
+        DiskSaver(directory / "ours", require_empty=False),
+        n_saved=None,
+        consolidate_recipient_rank=0,
+    )
+    theirs = IgniteCheckpoint(
+        to_save,
+        IgniteDiskSaver(directory / "ignite", require_empty=False),
+        n_saved=None,
+        save_on_rank=0,
+    )
+    # the floor writes what the checkpoint holds, consolidated beforehand on rank 0
+    full = {"model": model.state_dict(), "optimizer": ZeROState(optimizer).state_dict()}
+    engine = Engine(lambda e, b: None)
+
+    def save_ours() -> Path:
+        engine.state.iteration += 1
+        ours(engine)
+        return Path(ours.last_checkpoint)
+
+    def save_theirs() -> Path:
+        engine.state.iteration += 1
+        theirs(engine)
+        return Path(theirs.last_checkpoint)
+
+    def save_floor() -> Path | None:
+        if rank != 0:
+            return None
+        path = directory / "floor.pt"
+        torch.save(full, path)
+        _fsync(path)
+        return path
+
+    operations = {
+        "ignite_zero": save_ours,
+        "ignite": save_theirs,
+        "torch.save": save_floor,
+    }
+    records: dict[str, list[tuple[float, int, int]]] = {path: [] for path in PATHS}
+    for run in range(
+        runs + 1
+    ):  # the first round warms up connections, caches and the allocator
+        order = PATHS[run % 3 :] + PATHS[: run % 3]
+        for name in order:
+            dist.barrier()
+            with measure() as measurement:
+                written = operations[name]()
+            dist.barrier()
+            size = written.stat().st_size if rank == 0 else 0
+            if run and (rank == 0 or name != "torch.save"):
+                records[name].append((measurement.seconds, measurement.growth, size))
+            if rank == 0:
+                for leftover in directory.rglob("*.pt"):
+                    leftover.unlink()
+    shard = sum(
+        t.numel() * t.element_size()
+        for s in optimizer.optim.state.values()
+        for t in s.values()
+        if t.dim()
+    )
+    return {"records": records, "shard": shard}
+
+
+def _table(results: dict[tuple[int, int], list[dict[str, Any]]]) -> str:
+    rows = [
+        "| parameters | ranks | path | seconds min / median / max | GB/s | x floor | ignite / path | recipient growth "
+        "(x full state) | worst other rank growth (% of its shard) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (count, world_size), ranks in sorted(results.items()):
+        recipient = ranks[0]["records"]
+        medians = {
+            path: statistics.median(s for s, _, _ in recipient[path]) for path in PATHS
+        }
+        size = recipient["torch.save"][0][2]
+        for path in PATHS:
+            seconds = summary([s for s, _, _ in recipient[path]])
+            growth = max(g for _, g, _ in recipient[path])
+            others = "-"
+            if path != "torch.save" and world_size > 1:
+                worst = max(
+                    max(g for _, g, _ in ranks[r]["records"][path]) / ranks[r]["shard"]
+                    for r in range(1, world_size)
+                )
+                others = f"{100 * worst:.1f}%"
+            rows.append(
+                f"| {count / 1e6:.0f}M | {world_size} | {path} | {seconds[0]:.2f} / {seconds[1]:.2f} / {seconds[2]:.2f} "
+                f"| {size / 1e9 / seconds[1]:.2f} | {medians[path] / medians['torch.save']:.2f} "
+                f"| {medians['ignite'] / medians[path]:.1f} | {growth / 1e9:.2f} GB ({growth / size:.2f}) | {others} |"
+            )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--params", type=float, nargs="+", default=[25e6, 100e6])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument(
+        "--runs", type=int, default=5, help="measured rounds after the warm-up round"
+    )
+    args = parser.parse_args(argv)
+    directory = scratch_directory() / "ignite_zero-consolidate"
+    results = {}
+    for count in map(int, args.params):
+        for world_size in args.world_sizes:
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+            results[(count, world_size)] = launch(
+                _rank, world_size, count, args.runs, directory
+            )
+            print(
+                f"done: {count / 1e6:.0f}M parameters on {world_size} ranks", flush=True
+            )
+    shutil.rmtree(directory, ignore_errors=True)
+    print(_table(results))
+
+
+if __name__ == "__main__":
+    main()
