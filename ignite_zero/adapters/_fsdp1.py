@@ -1,0 +1,191 @@
+"""FSDP1 (``FullyShardedDataParallel``): where a rank's shards are, as pieces to send and as targets to load into.
+
+A rank's parameters live in one flat, padded shard per FSDP1 unit (``FlatParameter``). Its layout (which
+elements of which original parameter the shard holds, and where) is read through :mod:`ignite_zero._compat`,
+the only place that touches FSDP1 internals. Buffers and extra state are replicated on every rank; parameters
+FSDP1 does not manage (ignored modules) too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FlatParameter, FullyShardedDataParallel, ShardingStrategy
+
+from ignite_zero import _compat
+from ignite_zero.adapters._fsdp_common import LoadPlan, ParamLayout, Slot, add_value, clean_name, whole_slot
+from ignite_zero.transport import Pieces
+
+__all__ = ["check", "load_model", "model_pieces", "param_layouts"]
+
+
+@dataclass
+class _Unit:
+    """One FSDP1 unit that owns parameters: its flat parameter, original parameters and tied ones."""
+
+    prefix: str  # clean name of the wrapped module, with a trailing dot ("" for the root)
+    flat: FlatParameter
+    entries: list[_compat.FlatParamEntry]
+    shared: list[_compat.SharedParamEntry]
+    no_shard: bool
+
+    def name(self, relative: str) -> str:
+        return clean_name(self.prefix + relative)
+
+    def slot(self, entry: _compat.FlatParamEntry, in_flat_shard: bool) -> Slot:
+        """Where ``entry``'s elements sit in the flat shard (``in_flat_shard``) or in its own local tensor."""
+        offset = entry.shard_offset if in_flat_shard else 0
+        return Slot(self.name(entry.name), entry.shape, -1, entry.full_offset, entry.shard_numel, offset)
+
+
+def _units(module: nn.Module) -> list[_Unit]:
+    names = {id(m): name for name, m in module.named_modules()}
+    units = []
+    for unit in FullyShardedDataParallel.fsdp_modules(module):
+        flat = _compat.fsdp1_flat_param(unit)
+        if flat is None:
+            continue
+        prefix = clean_name(names[id(unit)])
+        units.append(
+            _Unit(
+                prefix=f"{prefix}." if prefix else "",
+                flat=flat,
+                entries=_compat.fsdp1_param_entries(flat),
+                shared=_compat.fsdp1_shared_entries(flat),
+                no_shard=unit.sharding_strategy == ShardingStrategy.NO_SHARD,
+            )
+        )
+    return units
+
+
+def check(module: nn.Module, world_size: int) -> None:
+    """Refuse, locally, what the gather cannot consolidate.
+
+    Raises:
+        ValueError: a hybrid strategy (HSDP), or a unit whose process group is not the whole world.
+        RuntimeError: this torch's FSDP1 no longer has the internals read here.
+    """
+    for unit in FullyShardedDataParallel.fsdp_modules(module):
+        _compat.check_fsdp1_layout(unit)
+        strategy = unit.sharding_strategy
+        if "HYBRID" in strategy.name:
+            raise ValueError(
+                f"FSDP1 with {strategy.name} (HSDP: shards replicated over a 2-D layout of ranks) is not supported "
+                "yet; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD"
+            )
+        group_size = dist.get_world_size(unit.process_group)
+        if group_size != world_size:
+            raise ValueError(
+                f"An FSDP1 unit shards over a process group of {group_size} ranks, but the world has {world_size}: "
+                "sharding over a subgroup is not supported yet"
+            )
+
+
+def _plain_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every module but FSDP1's wrappers, with the prefix of its entries in the unwrapped module's state dict."""
+    for name, m in module.named_modules():
+        if not isinstance(m, FullyShardedDataParallel):
+            prefix = clean_name(name)
+            yield (f"{prefix}." if prefix else ""), m
+
+
+def _has_extra_state(module: nn.Module) -> bool:
+    return type(module).get_extra_state is not nn.Module.get_extra_state
+
+
+def _unmanaged_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """A module's own parameters that FSDP1 did not flatten (ignored ones): whole on every rank."""
+    for name, param in module.named_parameters(recurse=False):
+        if not _compat.is_fsdp_flattened(param):
+            yield name, param
+
+
+def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    skipped = _compat.non_persistent_buffer_names(module)
+    for name, buffer in module.named_buffers(recurse=False):
+        if name not in skipped:
+            yield name, buffer
+
+
+def model_pieces(module: nn.Module) -> Pieces:
+    """This rank's pieces of the full model state, keyed ``(name,)`` in the unwrapped module's ``state_dict()`` order:
+    per module, its parameters, then its buffers and extra state."""
+    pieces = Pieces()
+    # Parameters are found per unit, but the order is per owning module.
+    owned: dict[int, list[tuple[str, Any]]] = {}
+    for unit in _units(module):
+        shard = _compat.fsdp1_local_shard(unit.flat)
+        for entry in unit.entries:
+            owned.setdefault(id(entry.owner), []).append(("piece", (unit.slot(entry, True), shard)))
+        for shared in unit.shared:  # tied: sent once, the same tensor under both names on the recipient
+            owned.setdefault(id(shared.owner), []).append(("alias", (unit.name(shared.name), unit.name(shared.primary))))
+    for prefix, m in _plain_modules(module):
+        for kind, item in owned.get(id(m), []):
+            if kind == "piece":
+                slot, shard = item
+                slot.add_to(pieces, (slot.name,), shard)
+            else:
+                pieces.add_alias((item[0],), (item[1],))
+        for name, value in [*_unmanaged_parameters(m), *_persistent_buffers(m)]:
+            add_value(pieces, (prefix + name,), value)
+        if _has_extra_state(m):
+            add_value(pieces, (prefix + "_extra_state",), m.get_extra_state())
+    return pieces
+
+
+def load_model(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
+    """Copy this rank's part of a full model state into its shards, buffers and extra state; local.
+
+    Everything is checked before anything is copied.
+    """
+    plan = LoadPlan(type(module).__name__, state_dict)
+    for unit in _units(module):
+        shard = _compat.fsdp1_local_shard(unit.flat)
+        for entry in unit.entries:
+            slot = unit.slot(entry, True)
+            value = plan.expect(slot.name, slot.shape)
+            if value is not None and slot.length:
+                plan.copy(slot.local_part(shard), slot.full_part(value))
+        for shared in unit.shared:  # loaded through its primary
+            plan.expect(unit.name(shared.name), None)
+    for prefix, m in _plain_modules(module):
+        for name, value in [*_unmanaged_parameters(m), *_persistent_buffers(m)]:
+            saved = plan.expect(prefix + name, tuple(value.shape))
+            if saved is not None:
+                plan.copy(value, saved)
+        if _has_extra_state(m):
+            saved = plan.expect(prefix + "_extra_state", None)
+            if saved is not None:
+                plan.call(m.set_extra_state, saved)
+    plan.run(strict)
+
+
+def param_layouts(module: nn.Module) -> dict[int, ParamLayout]:
+    """The layout of every parameter an optimizer of ``module`` may hold, by ``id``.
+
+    With ``use_orig_params=False`` the optimizer holds the flat parameters, and element-wise state is a flat
+    shard like theirs; with ``use_orig_params=True`` it holds the original parameters, each a view of its part
+    of the flat shard (1-D, or the original shape under NO_SHARD).
+    """
+    layouts: dict[int, ParamLayout] = {}
+    for unit in _units(module):
+        originals = _compat.fsdp1_orig_params(unit.flat)
+        if originals is None:
+            shard = _compat.fsdp1_local_shard(unit.flat)
+            slots = [unit.slot(entry, True) for entry in unit.entries]
+            layouts[id(unit.flat)] = ParamLayout(unit.flat, (shard.numel(),), slots)
+            continue
+        for param, entry in zip(originals, unit.entries):
+            # From the layout, not from `param.shape`: the view is unsharded between forward and backward.
+            local_shape = entry.shape if unit.no_shard else (entry.shard_numel,)
+            keeps_state = unit.no_shard or entry.shard_numel > 0
+            layouts[id(param)] = ParamLayout(param, local_shape, [unit.slot(entry, False)], keeps_state)
+    for prefix, m in _plain_modules(module):
+        for name, param in _unmanaged_parameters(m):
+            layouts.setdefault(id(param), ParamLayout(param, tuple(param.shape), [whole_slot(prefix + name, param)]))
+    return layouts

@@ -1,0 +1,169 @@
+"""What the FSDP1 and FSDP2 sources share: parameter names, and where a rank's elements of a parameter sit.
+
+A *slot* says where the elements of one original parameter that this rank holds sit, both in a local tensor
+laid out like the rank's parameter data (its shard) and in the full, unsharded tensor. The model, the
+optimizer state (laid out like the parameters) and loading in both directions all go through slots, so the
+FSDP kinds differ only in how they find them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ignite_zero.transport import Pieces
+
+__all__ = ["LoadPlan", "ParamLayout", "Slot", "add_piece", "add_value", "clean_name", "whole_slot"]
+
+# Name segments that wrappers insert and the unwrapped module's state_dict() lacks: FSDP1's wrapper,
+# activation checkpointing's wrapper, torch.compile's OptimizedModule (DSD drops the same ones).
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def clean_name(name: str) -> str:
+    """``name`` as in the unwrapped module's ``state_dict()``."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """This rank's elements of the parameter ``name`` of full shape ``shape``.
+
+    ``dim == -1``: elements ``[start, start + length)`` of the flattened full tensor, stored at
+    ``[offset, offset + length)`` of the flattened local tensor. ``dim >= 0``: rows ``[start, start + length)``
+    along ``dim`` of the full tensor, which are the whole local tensor.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dim: int
+    start: int
+    length: int
+    offset: int = 0
+
+    def local_part(self, local: torch.Tensor) -> torch.Tensor:
+        """The slot's elements in ``local``; a view (loading writes through it)."""
+        if self.dim == -1:
+            return local.view(-1)[self.offset : self.offset + self.length]
+        return local
+
+    def full_part(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of ``full``, shaped as :meth:`local_part` returns them."""
+        if self.dim == -1:
+            return full.reshape(-1)[self.start : self.start + self.length]
+        return full.narrow(self.dim, self.start, self.length)
+
+    def add_to(self, pieces: Pieces, key: tuple[Any, ...], local: torch.Tensor) -> None:
+        """Add this slot's piece of ``local`` to ``pieces`` as part of the full tensor ``key``."""
+        add_piece(pieces, key, self.shape, self.local_part(local).detach(), self.dim, self.start)
+
+    @property
+    def is_whole(self) -> bool:
+        """Whether this rank holds the whole parameter, laid out as the full tensor."""
+        return self.dim == -1 and self.start == 0 and self.offset == 0 and self.length == math.prod(self.shape)
+
+
+def whole_slot(name: str, tensor: torch.Tensor) -> Slot:
+    """The slot of a parameter that every rank holds whole (not sharded)."""
+    return Slot(name, tuple(tensor.shape), -1, 0, tensor.numel())
+
+
+@dataclass
+class ParamLayout:
+    """An optimizer-visible parameter and the original parameters whose elements it holds on this rank.
+
+    ``local_shape`` is the shape of the parameter's local data, which element-wise optimizer state (Adam's
+    ``exp_avg``...) shares; for a DTensor it is that of ``to_local()``. ``keeps_state`` is False where the
+    optimizer keeps no state for the parameter on this rank: FSDP1 gives an original parameter without local
+    elements no gradient (``use_orig_params=True``), so the optimizer skips it.
+    """
+
+    param: torch.Tensor
+    local_shape: tuple[int, ...]
+    slots: list[Slot] = field(default_factory=list)
+    keeps_state: bool = True
+
+
+def add_piece(
+    pieces: Pieces, key: tuple[Any, ...], shape: tuple[int, ...], piece: torch.Tensor, dim: int, start: int
+) -> None:
+    """``pieces.add``, except that a full tensor without elements travels as a value: the transport needs
+    pieces with elements, and such a tensor is known from its shape and dtype alone."""
+    if math.prod(shape) == 0:
+        pieces.values[key] = torch.empty(shape, dtype=piece.dtype)
+        pieces.order.append(key)
+    else:
+        pieces.add(key, shape, piece, dim, start)
+
+
+def add_value(pieces: Pieces, key: tuple[Any, ...], value: Any) -> None:
+    """``pieces.add_whole`` with the same care for tensors without elements as :func:`add_piece`."""
+    if isinstance(value, torch.Tensor):
+        add_piece(pieces, key, tuple(value.shape), value.detach().reshape(-1), -1, 0)
+    else:
+        pieces.add_whole(key, value)
+
+
+class LoadPlan:
+    """Loading a full model state in two steps: check every entry, then change the module.
+
+    Errors read as ``nn.Module.load_state_dict``'s, and a module is left untouched when there are any.
+
+    Args:
+        owner: the module's class name, for error messages.
+        state_dict: the full state; only read.
+    """
+
+    def __init__(self, owner: str, state_dict: Mapping[str, Any]) -> None:
+        self._owner = owner
+        self._state = state_dict
+        self._expected: set[str] = set()
+        self._missing: list[str] = []
+        self._mismatched: list[str] = []
+        self._actions: list[Callable[[], Any]] = []
+
+    def expect(self, name: str, shape: tuple[int, ...] | None) -> Any:
+        """The saved value of ``name``, or ``None`` when it is missing or is not a tensor of ``shape``
+        (``None``: any value), which :meth:`run` then reports."""
+        self._expected.add(name)
+        if name not in self._state:
+            self._missing.append(name)
+            return None
+        value = self._state[name]
+        if shape is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape)):
+            found = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            self._mismatched.append(
+                f"size mismatch for {name}: copying a param with shape {found} from checkpoint, the shape in "
+                f"current model is {tuple(shape)}."
+            )
+            return None
+        return value
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """Copy ``source`` into ``target`` when the plan runs."""
+        self._actions.append(functools.partial(target.copy_, source))
+
+    def call(self, func: Callable[[Any], Any], value: Any) -> None:
+        """Call ``func(value)`` when the plan runs."""
+        self._actions.append(functools.partial(func, value))
+
+    def run(self, strict: bool) -> None:
+        """Raise ``RuntimeError`` if an entry does not fit (or, when ``strict``, is missing or unexpected); else act."""
+        errors = []
+        if strict:
+            unexpected = [name for name in self._state if name not in self._expected]
+            if self._missing:
+                errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in self._missing) + ". ")
+            if unexpected:
+                errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+        errors += self._mismatched
+        if errors:
+            raise RuntimeError(f"Error(s) in loading state_dict for {self._owner}:\n\t" + "\n\t".join(errors))
+        with torch.no_grad():
+            for action in self._actions:
+                action()

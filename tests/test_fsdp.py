@@ -1,0 +1,522 @@
+"""FSDP1 and FSDP2 adapters on real gloo ranks: the gathered state equals an unsharded twin's, a resumed run is
+bitwise equal to an uninterrupted one, and a state saved on N ranks loads on M ranks or into a plain module.
+
+Every rank trains on the same batches, so FSDP's averaged gradient is the twin's (a plain module with plain
+Adam): saved states are compared with the twin's with ``assert_close`` (bf16 compute drifts further), resumed
+runs with the uninterrupted one bit for bit. One launch covers every setup, to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from launcher import run_ranks
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import DTensor, Shard
+from training import assert_state_equal
+
+from ignite_zero.adapters.fsdp import (
+    FSDPModelState,
+    FSDPOptimizerState,
+    full_optimizer_state_to_plain,
+    holds_sharded_parameters,
+    is_fsdp_module,
+    owns_parameters,
+)
+
+# --------------------------------------------------------------------------------------------------
+# Models, setups, training
+
+
+class Block(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+        self.norm = nn.LayerNorm(d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.lin(x)))
+
+
+class Meta(nn.Module):
+    """A module with extra state and no parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version = 1
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"version": self.version}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.version = state["version"]
+
+
+class Net(nn.Module):
+    """Nested units, sizes not divisible by 2 or 3, a parameter with fewer rows than ranks (empty shards),
+    persistent, non-persistent and empty buffers, extra state, a bias-free layer."""
+
+    def __init__(self, d: int = 13) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 5)
+        self.blocks = nn.Sequential(Block(5, d), Block(d, d), Block(d, d))
+        self.head = nn.Linear(d, 3, bias=False)
+        self.meta = Meta()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 3))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+        self.register_buffer("empty", torch.zeros(0, 3))
+        self.tiny = nn.Parameter(torch.randn(1, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(torch.relu(self.inp(x)))) * self.scale + self.tiny.sum()
+
+
+class TiedNet(nn.Module):
+    """Input embedding tied to the output projection: one parameter under two names."""
+
+    def __init__(self, vocab: int = 11, d: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.Sequential(Block(d, d), Block(d, d))
+        self.out = nn.Linear(d, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(self.emb(x)))
+
+
+BF16 = torch.bfloat16
+SETUPS: dict[str, dict[str, Any]] = {
+    "fsdp1_orig": {"kind": 1, "use_orig_params": True},
+    "fsdp1_flat": {"kind": 1, "use_orig_params": False},
+    "fsdp1_no_shard": {"kind": 1, "sharding_strategy": ShardingStrategy.NO_SHARD},
+    "fsdp1_grad_op": {"kind": 1, "use_orig_params": True, "sharding_strategy": ShardingStrategy.SHARD_GRAD_OP},
+    "fsdp1_bf16": {"kind": 1, "use_orig_params": True, "mixed_precision": MixedPrecision(param_dtype=BF16)},
+    "fsdp2": {"kind": 2},
+    "fsdp2_bf16": {"kind": 2, "mp_policy": MixedPrecisionPolicy(param_dtype=BF16)},
+    "fsdp2_offload": {"kind": 2, "offload_policy": CPUOffloadPolicy(pin_memory=False)},
+    "fsdp2_no_reshard": {"kind": 2, "reshard_after_forward": False},
+}
+SAVE_STEPS, MORE_STEPS = range(3), range(3, 5)
+
+
+def _wrap(model: nn.Module, setup: str) -> nn.Module:
+    """One unit per ``Block``, and one for the rest."""
+    options = dict(SETUPS[setup])
+    if options.pop("kind") == 1:
+        policy = ModuleWrapPolicy({Block})
+        return FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), **options)
+    for m in model.modules():
+        if isinstance(m, Block):
+            fully_shard(m, **options)
+    return fully_shard(model, **options)
+
+
+def _adam(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def _two_groups(model: nn.Module) -> torch.optim.Optimizer:
+    named = list(model.named_parameters())
+    decayed = [p for name, p in named if name.endswith("lin.weight")]
+    rest = [p for name, p in named if not name.endswith("lin.weight")]
+    return torch.optim.Adam([{"params": decayed, "weight_decay": 0.1}, {"params": rest, "lr": 5e-3}], lr=1e-2)
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, tokens: bool = False) -> None:
+    for step in steps:  # the same batch on every rank
+        generator = torch.Generator().manual_seed(1000 + step)
+        x = torch.randint(0, 11, (4, 3), generator=generator) if tokens else torch.randn(4, 7, generator=generator)
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A plain optimizer's state keyed by parameter names, as FSDPOptimizerState saves it."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]  # the indices' order
+    state = optimizer.state_dict()
+    return {
+        "state": {names[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
+    }
+
+
+@functools.cache
+def _twin_state(steps: int, make_optimizer: Any = _adam) -> dict[str, Any]:
+    torch.manual_seed(0)
+    twin = Net()
+    optimizer = make_optimizer(twin)
+    _train(twin, optimizer, range(steps))
+    return {"model": twin.state_dict(), "optimizer": _full_optimizer_state(twin, optimizer)}
+
+
+def _assert_states(actual: dict[str, Any], expected: dict[str, Any], exact: bool, bf16: bool = False) -> None:
+    """Model: same names in the same order; optimizer: same state per name, same groups (names in any order)."""
+    assert list(actual["model"]) == list(expected["model"])
+    if exact:
+        assert_state_equal(dict(actual["model"]), dict(expected["model"]))
+        state, expected_state = actual["optimizer"]["state"], expected["optimizer"]["state"]
+        assert_state_equal(dict(sorted(state.items())), dict(sorted(expected_state.items())))
+    else:
+        tolerance = {"atol": 2e-2, "rtol": 2e-2} if bf16 else {"atol": 1e-5, "rtol": 1e-4}
+        torch.testing.assert_close(dict(actual["model"]), dict(expected["model"]), **tolerance)
+        torch.testing.assert_close(dict(actual["optimizer"]["state"]), dict(expected["optimizer"]["state"]), **tolerance)
+    groups, expected_groups = actual["optimizer"]["param_groups"], expected["optimizer"]["param_groups"]
+    assert [sorted(g["params"]) for g in groups] == [sorted(g["params"]) for g in expected_groups]
+    assert [{**g, "params": None} for g in groups] == [{**g, "params": None} for g in expected_groups]
+
+
+def _gather(model: nn.Module, optimizer: torch.optim.Optimizer, recipient: int) -> dict[str, Any]:
+    return {
+        "model": FSDPModelState(model, recipient).state_dict(),
+        "optimizer": FSDPOptimizerState(model, optimizer, recipient).state_dict(),
+    }
+
+
+def _load(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: dict[str, Any]) -> None:
+    FSDPModelState(model).load_state_dict(checkpoint["model"])
+    FSDPOptimizerState(model, optimizer).load_state_dict(checkpoint["optimizer"])
+
+
+def _no_warnings() -> None:
+    warnings.simplefilter("error")  # our save and load emit none...
+    warnings.filterwarnings("ignore", message=".*NO_SHARD.*")  # ...FSDP1 warns at wrap time
+
+
+# --------------------------------------------------------------------------------------------------
+# Save on N ranks, load on N (bitwise), on M (close to the twin), on 1 rank, into a plain module
+
+
+def _save_and_resume(rank: int, world_size: int, directory: Path, recipient: int, load_from: int | None) -> None:
+    _no_warnings()
+    for setup in SETUPS:
+        bf16 = "bf16" in setup
+        torch.manual_seed(0)
+        twin = Net()
+        model = _wrap(copy.deepcopy(twin), setup)
+        fresh = FSDPModelState(model, recipient).state_dict()
+        optimizer = _adam(model)
+        if rank == recipient:  # right after wrapping: the twin's state exactly, its names in its order
+            assert_state_equal(fresh, twin.state_dict())
+            tensors = [v for k, v in fresh.items() if k != "meta._extra_state"]
+            assert all(type(v) is torch.Tensor and v.device.type == "cpu" for v in tensors)
+            assert fresh["meta._extra_state"] == {"version": 1}
+        else:
+            assert fresh == {}
+        _train(model, optimizer, SAVE_STEPS)
+        saved = _gather(model, optimizer, recipient)
+        path = directory / f"{setup}_{world_size}.pt"
+        if rank == recipient:
+            _assert_states(saved, _twin_state(len(SAVE_STEPS)), exact=False, bf16=bf16)
+            torch.save(saved, path)
+        _train(model, optimizer, MORE_STEPS)
+        uninterrupted = _gather(model, optimizer, recipient)
+        dist.barrier()
+        resumed = _resume(setup, path, recipient)
+        if rank == recipient:
+            _assert_states(resumed, uninterrupted, exact=True)
+        if load_from is not None:
+            resumed = _resume(setup, directory / f"{setup}_{load_from}.pt", recipient)
+            if rank == recipient:
+                _assert_states(resumed, _twin_state(len(SAVE_STEPS) + len(MORE_STEPS)), exact=False, bf16=bf16)
+
+
+def _resume(setup: str, path: Path, recipient: int) -> dict[str, Any]:
+    """Load a fresh, differently initialised model and optimizer from ``path``, check that gathering gives the file
+    back, train ``MORE_STEPS`` and gather."""
+    torch.manual_seed(1234)
+    model = _wrap(Net(), setup)
+    optimizer = _adam(model)
+    checkpoint = torch.load(path, mmap=True, weights_only=True)
+    _load(model, optimizer, checkpoint)
+    again = _gather(model, optimizer, recipient)
+    if dist.get_rank() == recipient:
+        _assert_states(again, checkpoint, exact=True)
+    _train(model, optimizer, MORE_STEPS)
+    return _gather(model, optimizer, recipient)
+
+
+def _resume_from(rank: int, world_size: int, directory: Path, saved_on: int, kinds: dict[str, str]) -> None:
+    _no_warnings()
+    for setup, saved_from in kinds.items():
+        resumed = _resume(setup, directory / f"{saved_from}_{saved_on}.pt", 0)
+        if rank == 0:
+            bf16 = "bf16" in setup or "bf16" in saved_from
+            _assert_states(resumed, _twin_state(len(SAVE_STEPS) + len(MORE_STEPS)), exact=False, bf16=bf16)
+
+
+@pytest.fixture(scope="module")
+def saved_on_2_and_3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every setup saved on 2 ranks (recipient 1) and on 3 ranks (recipient 0), each resumed on the same world
+    size bitwise; the 3-rank run also resumes the 2-rank files (2 -> 3)."""
+    directory = tmp_path_factory.mktemp("fsdp")
+    run_ranks(_save_and_resume, 2, directory, 1, None)
+    run_ranks(_save_and_resume, 3, directory, 0, 2)
+    return directory
+
+
+@pytest.mark.distributed
+def test_saved_state_equals_twin_resume_is_bitwise_and_2_to_3(saved_on_2_and_3: Path) -> None:
+    """The checks run on the ranks the fixture launches; here, the files they wrote."""
+    assert sorted(p.name for p in saved_on_2_and_3.iterdir()) == sorted(
+        f"{setup}_{n}.pt" for setup in SETUPS for n in (2, 3)
+    )
+
+
+@pytest.mark.distributed
+def test_3_to_2_and_across_kinds(saved_on_2_and_3: Path) -> None:
+    kinds = {setup: setup for setup in SETUPS}
+    run_ranks(_resume_from, 2, saved_on_2_and_3, 3, kinds)
+    # The format does not depend on the kind: FSDP1 files load into FSDP2 and the other way round.
+    run_ranks(_resume_from, 2, saved_on_2_and_3, 3, {"fsdp2": "fsdp1_flat", "fsdp1_flat": "fsdp2_offload"})
+
+
+@pytest.mark.distributed
+def test_2_to_1_rank(saved_on_2_and_3: Path) -> None:
+    """FSDP on one rank (FSDP1 then switches to NO_SHARD: per-parameter state keeps the parameter's shape)."""
+    run_ranks(_resume_from, 1, saved_on_2_and_3, 2, {setup: setup for setup in SETUPS})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("saved_on", [2, 3])
+def test_into_plain_module_without_process_group(saved_on_2_and_3: Path, saved_on: int) -> None:
+    expected = _twin_state(len(SAVE_STEPS) + len(MORE_STEPS))
+    for setup in SETUPS:
+        torch.manual_seed(7)
+        model = Net()
+        optimizer = _adam(model)
+        checkpoint = torch.load(saved_on_2_and_3 / f"{setup}_{saved_on}.pt", mmap=True, weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(full_optimizer_state_to_plain(model, optimizer, checkpoint["optimizer"]))
+        _train(model, optimizer, MORE_STEPS)
+        actual = {"model": model.state_dict(), "optimizer": _full_optimizer_state(model, optimizer)}
+        _assert_states(actual, expected, exact=False, bf16="bf16" in setup)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layouts: tied weights, Shard(1), bf16 parameters, parameter groups, ignored modules; the given dict is only read
+
+
+def _against_twin(
+    rank: int,
+    build: Callable[[], nn.Module],
+    shard: Callable[[nn.Module], nn.Module],
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] = _adam,
+    tokens: bool = False,
+) -> dict[str, Any]:
+    """Shard a copy of ``build()`` and train it and the twin alike: gathering creates no optimizer state, the
+    gathered state (on rank 1) is close to the twin's, and a fresh sharded model loaded with the twin's state
+    gathers (on rank 0) to it exactly. Returns what rank 1 gathered."""
+    torch.manual_seed(0)
+    twin = build()
+    model = shard(copy.deepcopy(twin))
+    twin_optimizer, optimizer = make_optimizer(twin), make_optimizer(model)
+    fresh = FSDPOptimizerState(model, optimizer, 1).state_dict()
+    assert not optimizer.state  # torch's get_optimizer_state_dict would run a fake step here
+    assert fresh["state"] == {} if rank == 1 else fresh == {}
+    _train(model, optimizer, range(2), tokens)
+    _train(twin, twin_optimizer, range(2), tokens)
+    expected = {"model": twin.state_dict(), "optimizer": _full_optimizer_state(twin, twin_optimizer)}
+    saved = _gather(model, optimizer, 1)
+    if rank == 1:
+        _assert_states(saved, expected, exact=False)
+    torch.manual_seed(7)
+    model = shard(build())
+    optimizer = make_optimizer(model)
+    _load(model, optimizer, expected)
+    again = _gather(model, optimizer, 0)
+    if rank == 0:
+        _assert_states(again, expected, exact=True)
+    return saved
+
+
+def _layouts(rank: int, world_size: int) -> None:
+    for setup in ("fsdp2", "fsdp1_orig", "fsdp1_flat"):
+        saved = _against_twin(rank, TiedNet, functools.partial(_wrap, setup=setup), tokens=True)
+        if rank == 1:  # still tied: torch.save writes it once
+            assert saved["model"]["out.weight"] is saved["model"]["emb.weight"]
+
+    for setup in ("fsdp2", "fsdp1_orig"):
+        saved = _against_twin(rank, Net, functools.partial(_wrap, setup=setup), _two_groups)
+        if rank == 1:
+            assert [len(group["params"]) for group in saved["optimizer"]["param_groups"]] == [3, 13]
+
+    def columns(param: nn.Parameter) -> Shard | None:
+        return Shard(1) if param.dim() == 2 and param.shape[1] % world_size == 0 else None
+
+    def shard_columns(model: nn.Module) -> nn.Module:
+        for m in model:
+            if isinstance(m, Block):
+                fully_shard(m, shard_placement_fn=columns)
+        model = fully_shard(model, shard_placement_fn=columns)
+        assert any(p.placements == (Shard(1),) for p in model.parameters())
+        return model
+
+    # FSDP2 `Shard(1)`: a rank's piece is not one flat range (the recipient stages it)
+    _against_twin(rank, lambda: nn.Sequential(nn.Linear(7, 6), Block(6, 6), Block(6, 6), nn.Linear(6, 3)), shard_columns)
+
+    # FSDP1 leaves ignored modules alone: their parameters are whole on every rank
+    def ignoring_head(model: nn.Module) -> nn.Module:
+        policy = ModuleWrapPolicy({Block})
+        return FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), ignored_modules=[model.head])
+
+    _against_twin(rank, Net, ignoring_head)
+
+    # bf16 parameters travel as bf16
+    for setup in ("fsdp2", "fsdp1_flat"):
+        torch.manual_seed(0)
+        twin = Net().to(BF16)
+        saved = FSDPModelState(_wrap(copy.deepcopy(twin), setup), 1).state_dict()
+        if rank == 1:
+            assert_state_equal(saved, twin.state_dict())
+
+
+def _storages(value: Any) -> set[int]:
+    """Addresses of the memory that the tensors of ``value`` (local tensors, for DTensors) live in."""
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    if isinstance(value, torch.Tensor):
+        return {value.untyped_storage().data_ptr()} if value.numel() else set()
+    if isinstance(value, dict):
+        return set().union(*(_storages(v) for v in value.values()))
+    if isinstance(value, (list, tuple)):
+        return set().union(*(_storages(v) for v in value))
+    return set()
+
+
+def _only_read(rank: int, world_size: int, path: Path) -> None:
+    """Loading leaves the given dict (an mmap'd file) as it was, and the optimizer holds no tensor of it."""
+    for setup in ("fsdp1_orig", "fsdp1_flat", "fsdp2"):
+        checkpoint = torch.load(path, mmap=True, weights_only=True)
+        before = copy.deepcopy(checkpoint)
+        tensors = {id(v) for v in checkpoint["model"].values()}
+        torch.manual_seed(3)
+        model = _wrap(Net(), setup)
+        optimizer = _adam(model)
+        _train(model, optimizer, range(1))  # existing state is reused
+        _load(model, optimizer, checkpoint)
+        _load(model, optimizer, checkpoint)  # twice: the first load's tensors are reused
+        assert not _storages(optimizer.state_dict()["state"]) & _storages(checkpoint)
+        _train(model, optimizer, range(2))
+        assert_state_equal(checkpoint, before)
+        assert {id(v) for v in checkpoint["model"].values()} == tensors
+
+
+@pytest.mark.distributed
+def test_layouts(tmp_path: Path) -> None:
+    """Tied weights (FSDP1 both ways, FSDP2), FSDP2 ``Shard(1)``, bf16 parameters, two parameter groups, FSDP1
+    ignored modules, and a dict that loading only reads."""
+    run_ranks(_layouts, 2)
+    torch.save(_twin_state(2), tmp_path / "twin.pt")
+    run_ranks(_only_read, 2, tmp_path / "twin.pt")
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks and pairing
+
+
+def _checks(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    plain = Net()
+    fsdp1 = _wrap(Net(), "fsdp1_flat")
+    fsdp1_orig = _wrap(Net(), "fsdp1_orig")
+    fsdp2 = _wrap(Net(), "fsdp2")
+    fsdp2_part = copy.deepcopy(plain)
+    fully_shard(fsdp2_part.blocks[0])  # only a submodule sharded: the rest is whole on every rank
+    models = {"plain": plain, "fsdp1": fsdp1, "fsdp1_orig": fsdp1_orig, "fsdp2": fsdp2, "fsdp2_part": fsdp2_part}
+    assert {name: is_fsdp_module(m) for name, m in models.items()} == {**dict.fromkeys(models, True), "plain": False}
+    assert not is_fsdp_module(_adam(plain))
+    saved = FSDPModelState(fsdp2_part, 1).state_dict()
+    if rank == 1:
+        assert_state_equal(saved, plain.state_dict())
+
+    optimizers = {name: _adam(m) for name, m in models.items()}
+    assert {name: holds_sharded_parameters(o) for name, o in optimizers.items()} == {
+        **dict.fromkeys(models, True),
+        "plain": False,
+    }
+    assert owns_parameters(fsdp1, optimizers["fsdp1"]) and not owns_parameters(fsdp2, optimizers["fsdp1"])
+    assert owns_parameters(fsdp1_orig, optimizers["fsdp1_orig"]) and not owns_parameters(fsdp1, optimizers["fsdp1_orig"])
+    assert owns_parameters(fsdp2, optimizers["fsdp2"]) and not owns_parameters(plain, optimizers["fsdp2"])
+    # FSDP2 kept unsharded after a forward (reshard_after_forward=False): still paired with its optimizer
+    unsharded = _wrap(Net(), "fsdp2_no_reshard")
+    unsharded_optimizer = _adam(unsharded)
+    unsharded(torch.randn(2, 7))
+    assert owns_parameters(unsharded, unsharded_optimizer)
+    FSDPOptimizerState(unsharded, unsharded_optimizer).check()
+
+    for adapter in (FSDPModelState(fsdp1, 1), FSDPModelState(fsdp2_part), FSDPOptimizerState(fsdp2, optimizers["fsdp2"])):
+        adapter.check()
+    with pytest.raises(TypeError, match="contains no FSDP1 or FSDP2 module"):
+        FSDPModelState(plain)
+    with pytest.raises(ValueError, match="do not belong to the FSDPNet it is paired with"):
+        FSDPOptimizerState(fsdp2, optimizers["fsdp1"]).check()
+    with pytest.raises(ValueError, match="outside the process group of 2 ranks"):
+        FSDPModelState(fsdp2, 2).check()
+    mixed = Net()
+    fully_shard(mixed.blocks[0])
+    mixed.blocks[1] = FullyShardedDataParallel(mixed.blocks[1], device_id=torch.device("cpu"))
+    with pytest.raises(ValueError, match="mixes FSDP1"):
+        FSDPModelState(mixed).check()
+
+    # HSDP / 2-D meshes, and sharding over a subgroup, are refused before any communication
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
+    hsdp1 = FullyShardedDataParallel(
+        Net(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=torch.device("cpu"), device_mesh=mesh
+    )
+    hsdp2 = fully_shard(Net(), mesh=init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard")))
+    for model in (hsdp1, hsdp2):
+        with pytest.raises(ValueError, match="not supported yet"):
+            FSDPModelState(model).check()
+    alone = [dist.new_group([r]) for r in range(world_size)][rank]
+    sub1 = FullyShardedDataParallel(Net(), device_id=torch.device("cpu"), process_group=alone)
+    sub2 = fully_shard(Net(), mesh=init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "shard"))["shard"])
+    for model in (sub1, sub2):
+        with pytest.raises(ValueError, match="subgroup is not supported yet"):
+            FSDPModelState(model).check()
+
+
+@pytest.mark.distributed
+def test_checks_and_pairing() -> None:
+    run_ranks(_checks, 2)
+
+
+def test_plain_optimizer_from_full_state_without_process_group() -> None:
+    """The plain path: a full, name-keyed state into a plain optimizer; no process group, nothing shared."""
+    expected = _twin_state(2, _two_groups)
+    before = copy.deepcopy(expected)
+    model = Net()
+    optimizer = _two_groups(model)
+    plain = full_optimizer_state_to_plain(model, optimizer, expected["optimizer"])
+    optimizer.load_state_dict(plain)
+    assert not _storages(optimizer.state_dict()) & _storages(expected)
+    assert_state_equal(_full_optimizer_state(model, optimizer), expected["optimizer"])
+    _train(model, optimizer, range(2))
+    assert_state_equal(expected, before)
+
+    with pytest.raises(ValueError, match="by index"):
+        full_optimizer_state_to_plain(model, optimizer, optimizer.state_dict())
+    with pytest.raises(ValueError, match="parameter groups it was saved with"):
+        full_optimizer_state_to_plain(model, _adam(model), expected["optimizer"])
+    with pytest.raises(TypeError, match="contains no FSDP1 or FSDP2 module"):
+        FSDPOptimizerState(model, optimizer)
