@@ -22,6 +22,7 @@ __all__ = [
     "default_store",
     "fairscale_oss_class",
     "serialization_crc32",
+    "sharded_optimizer_kind",
     "zero_awaits_ddp",
 ]
 
@@ -58,6 +59,19 @@ def fairscale_oss_class() -> type | None:
     return OSS
 
 
+def sharded_optimizer_kind(optimizer: Any) -> str | None:
+    """``"zero"`` for torch's ``ZeroRedundancyOptimizer``, ``"oss"`` for fairscale's ``OSS``, else ``None``."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return "zero"
+    if type(optimizer).__module__.startswith("fairscale."):  # avoid importing fairscale (1 s) for others
+        oss = fairscale_oss_class()
+        if oss is not None and isinstance(optimizer, oss):
+            return "oss"
+    return None
+
+
 def consolidated_state_attribute(optimizer: Any) -> str | None:
     """Name of the private list in which a sharded optimizer keeps the per-rank states it consolidated.
 
@@ -65,19 +79,9 @@ def consolidated_state_attribute(optimizer: Any) -> str | None:
     ``optim.state_dict()`` per group rank, in rank order) into the global state. Filling it ourselves lets
     the optimizer's own code do the merge. ``None`` for any other class: use its ``consolidate_state_dict``.
     """
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        name = "_all_state_dicts"
-    elif type(optimizer).__module__.startswith("fairscale."):  # avoid importing fairscale (1 s) for others
-        oss = fairscale_oss_class()
-        if oss is None or not isinstance(optimizer, oss):
-            return None
-        name = "_all_states"
-    else:
-        return None
-    if not isinstance(getattr(optimizer, name, None), list) or not hasattr(optimizer, "optim"):
-        # The attribute moved upstream: fall back to the optimizer's own consolidation.
+    name = {"zero": "_all_state_dicts", "oss": "_all_states"}.get(sharded_optimizer_kind(optimizer) or "")
+    if name is None or not isinstance(getattr(optimizer, name, None), list) or not hasattr(optimizer, "optim"):
+        # Unknown, or the attribute moved upstream: fall back to the optimizer's own consolidation.
         return None
     return name
 

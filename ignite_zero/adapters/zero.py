@@ -154,14 +154,43 @@ class ZeROState(ShardedState):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        consolidate(self.obj, self.recipient_rank)
-        if not self.is_recipient:
+        if not _knows_its_partition(self.obj):  # an optimizer of unknown layout consolidates itself
+            consolidate(self.obj, self.recipient_rank)
+            return _to_cpu(self.obj.state_dict()) if self.is_recipient else {}
+        return self.assemble(self.snapshot())
+
+    def snapshot(self) -> dict[str, Any]:
+        """This rank's part of the state, keyed by global parameter index: views of the live tensors.
+
+        ``{"state": {index: {...}}, "param_groups": [...]}`` as in the optimizer's own global state dict;
+        ``param_groups`` hold the hyperparameters of the exposed groups (those a scheduler changes).
+        """
+        everything = [p for group in self.obj.param_groups for p in group["params"]]
+        index_of = {id(p): index for index, p in enumerate(everything)}
+        local = self.obj.optim.state_dict()  # keyed by the local optimizer's own parameter order
+        local_params = [p for group in self.obj.optim.param_groups for p in group["params"]]
+        state = {index_of[id(local_params[position])]: value for position, value in local["state"].items()}
+        groups, start = [], 0
+        for group in self.obj.param_groups:
+            count = len(group["params"])
+            hyperparameters = {key: value for key, value in group.items() if key != "params"}
+            groups.append({**hyperparameters, "params": list(range(start, start + count))})
+            start += count
+        return {"state": state, "param_groups": groups}
+
+    def assemble(self, snapshot: dict[str, Any]) -> dict[str, Any]:
+        """Collective: every rank's snapshot to the recipient, merged there; ``{}`` elsewhere.
+
+        The merge is the one ``ZeroRedundancyOptimizer.state_dict()`` and fairscale's ``OSS.state_dict()`` make
+        after their consolidation: the state of every parameter by global index, sorted, and the exposed param
+        groups. The shards travel through :func:`ignite_zero.transport.gather_to`, once, to the recipient only.
+        """
+        group = transport.cpu_group(process_group_of(self.obj))
+        snapshots = transport.gather_to(snapshot, self.recipient_rank, group)
+        if snapshots is None:
             return {}
-        state = _to_cpu(self.obj.state_dict())
-        attribute = _compat.consolidated_state_attribute(self.obj)
-        if attribute is not None:  # release the optimizer's reference: the returned state is the only copy
-            setattr(self.obj, attribute, [])
-        return state
+        state = {index: value for part in snapshots for index, value in part["state"].items()}
+        return {"state": dict(sorted(state.items())), "param_groups": snapshot["param_groups"]}
 
     def part_needed(self) -> OptimizerStatePart | None:
         """The state of the parameters this rank owns: each rank loads only its partition."""
@@ -179,6 +208,11 @@ class ZeROState(ShardedState):
                 f"{type(self.obj).__name__}, got {type(state_dict).__name__} with keys {sorted(state_dict)[:10]}"
             )
         self.obj.load_state_dict(copy_structure(state_dict))
+
+
+def _knows_its_partition(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is one whose local optimizer (``optim``) holds exactly this rank's parameters."""
+    return _compat.sharded_optimizer_kind(optimizer) is not None and not _compat.zero_awaits_ddp(optimizer)
 
 
 def _to_cpu(value: Any) -> Any:
