@@ -125,9 +125,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="ignite_zero-bench-") as workdir:
         results = context.Queue()
         processes = [
-            context.Process(
-                target=_entry, args=(rank, world_size, workdir, fn, args, results)
-            )
+            context.Process(target=_entry, args=(rank, world_size, workdir, fn, args, results))
             for rank in range(world_size)
         ]
         for process in processes:

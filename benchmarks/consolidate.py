@@ -49,12 +49,8 @@ _TENSOR = 4 * 2**20  # parameters per tensor: ZeRO spreads whole tensors over ra
 class _Parameters(nn.Module):
     def __init__(self, count: int) -> None:
         super().__init__()
-        sizes = [_TENSOR] * (count // _TENSOR) + (
-            [count % _TENSOR] if count % _TENSOR else []
-        )
-        self.weights = nn.ParameterList(
-            nn.Parameter(torch.randn(size) * 0.01) for size in sizes
-        )
+        sizes = [_TENSOR] * (count // _TENSOR) + ([count % _TENSOR] if count % _TENSOR else [])
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(size) * 0.01) for size in sizes)
 
 
 def _fsync(path: Path) -> None:
@@ -65,13 +61,9 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _rank(
-    rank: int, world_size: int, count: int, runs: int, directory: Path
-) -> dict[str, Any]:
+def _rank(rank: int, world_size: int, count: int, runs: int, directory: Path) -> dict[str, Any]:
     model = _Parameters(count)
-    optimizer = ZeroRedundancyOptimizer(
-        model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3
-    )
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3)
     optimizer.step()
@@ -117,9 +109,7 @@ def _rank(
         "torch.save": save_floor,
     }
     records: dict[str, list[tuple[float, int, int]]] = {path: [] for path in PATHS}
-    for run in range(
-        runs + 1
-    ):  # the first round warms up connections, caches and the allocator
+    for run in range(runs + 1):  # the first round warms up connections, caches and the allocator
         order = PATHS[run % 3 :] + PATHS[: run % 3]
         for name in order:
             dist.barrier()
@@ -132,12 +122,7 @@ def _rank(
             if rank == 0:
                 for leftover in directory.rglob("*.pt"):
                     leftover.unlink()
-    shard = sum(
-        t.numel() * t.element_size()
-        for s in optimizer.optim.state.values()
-        for t in s.values()
-        if t.dim()
-    )
+    shard = sum(t.numel() * t.element_size() for s in optimizer.optim.state.values() for t in s.values() if t.dim())
     return {"records": records, "shard": shard}
 
 
@@ -149,9 +134,7 @@ def _table(results: dict[tuple[int, int], list[dict[str, Any]]]) -> str:
     ]
     for (count, world_size), ranks in sorted(results.items()):
         recipient = ranks[0]["records"]
-        medians = {
-            path: statistics.median(s for s, _, _ in recipient[path]) for path in PATHS
-        }
+        medians = {path: statistics.median(s for s, _, _ in recipient[path]) for path in PATHS}
         size = recipient["torch.save"][0][2]
         for path in PATHS:
             seconds = summary([s for s, _, _ in recipient[path]])
@@ -159,12 +142,12 @@ def _table(results: dict[tuple[int, int], list[dict[str, Any]]]) -> str:
             others = "-"
             if path != "torch.save" and world_size > 1:
                 worst = max(
-                    max(g for _, g, _ in ranks[r]["records"][path]) / ranks[r]["shard"]
-                    for r in range(1, world_size)
+                    max(g for _, g, _ in ranks[r]["records"][path]) / ranks[r]["shard"] for r in range(1, world_size)
                 )
                 others = f"{100 * worst:.1f}%"
             rows.append(
-                f"| {count / 1e6:.0f}M | {world_size} | {path} | {seconds[0]:.2f} / {seconds[1]:.2f} / {seconds[2]:.2f} "
+                f"| {count / 1e6:.0f}M | {world_size} | {path} "
+                f"| {seconds[0]:.2f} / {seconds[1]:.2f} / {seconds[2]:.2f} "
                 f"| {size / 1e9 / seconds[1]:.2f} | {medians[path] / medians['torch.save']:.2f} "
                 f"| {medians['ignite'] / medians[path]:.1f} | {growth / 1e9:.2f} GB ({growth / size:.2f}) | {others} |"
             )
@@ -172,14 +155,10 @@ def _table(results: dict[tuple[int, int], list[dict[str, Any]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, nargs="+", default=[25e6, 100e6])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument(
-        "--runs", type=int, default=5, help="measured rounds after the warm-up round"
-    )
+    parser.add_argument("--runs", type=int, default=5, help="measured rounds after the warm-up round")
     args = parser.parse_args(argv)
     directory = scratch_directory() / "ignite_zero-consolidate"
     results = {}
@@ -187,12 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         for world_size in args.world_sizes:
             shutil.rmtree(directory, ignore_errors=True)
             directory.mkdir(parents=True)
-            results[(count, world_size)] = launch(
-                _rank, world_size, count, args.runs, directory
-            )
-            print(
-                f"done: {count / 1e6:.0f}M parameters on {world_size} ranks", flush=True
-            )
+            results[(count, world_size)] = launch(_rank, world_size, count, args.runs, directory)
+            print(f"done: {count / 1e6:.0f}M parameters on {world_size} ranks", flush=True)
     shutil.rmtree(directory, ignore_errors=True)
     print(_table(results))
 

@@ -34,7 +34,9 @@ from ignite_zero import Checkpoint, DiskSaver
 def build(config: dict[str, Any]) -> tuple[nn.Module, ZeroRedundancyOptimizer, Any, Any]:
     """Model, sharded optimizer, trainer and data loader; the same on every rank and every world size."""
     torch.manual_seed(0)
-    model = idist.auto_model(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)))
+    model = idist.auto_model(
+        nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    )
     # ignite_zero: every rank keeps the Adam state of its own share of the parameters only.
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
     generator = torch.Generator().manual_seed(1)
@@ -60,8 +62,10 @@ def attach_checkpoint(to_save: dict[str, Any], trainer: Any, config: dict[str, A
     @trainer.on(Events.EPOCH_COMPLETED)
     def report(engine: Any) -> None:
         if idist.get_rank() == 0:
-            print(f"[{idist.get_world_size()} ranks] epoch {engine.state.epoch}: loss {engine.state.output:.4f}, "
-                  f"saved {checkpoint.last_checkpoint}")
+            print(
+                f"[{idist.get_world_size()} ranks] epoch {engine.state.epoch}: loss {engine.state.output:.4f}, "
+                f"saved {checkpoint.last_checkpoint}"
+            )
 
     return checkpoint
 
@@ -90,8 +94,10 @@ def resume(local_rank: int, config: dict[str, Any]) -> None:
             for i in saved["state"]
             for name in saved["state"][i]
         )
-        print(f"[{idist.get_world_size()} ranks] restored {path.name}: epoch {trainer.state.epoch}, iteration "
-              f"{trainer.state.iteration}; optimizer state of {len(saved['state'])} parameters matches: {matches}")
+        print(
+            f"[{idist.get_world_size()} ranks] restored {path.name}: epoch {trainer.state.epoch}, iteration "
+            f"{trainer.state.iteration}; optimizer state of {len(saved['state'])} parameters matches: {matches}"
+        )
         if not matches:
             raise RuntimeError("the restored optimizer state differs from the checkpoint")
     trainer.run(loader, max_epochs=trainer.state.epoch + 1)

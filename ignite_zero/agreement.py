@@ -187,7 +187,7 @@ def _wait_for_all(store: dist.Store, key: str, rank: int, world_size: int, what:
             state = store.get(state_key)
             if state == _GO:
                 return
-            raise _timeout_error(rank, pickle.loads(state[len(_ABORT):]), world_size, what, timeout)
+            raise _timeout_error(rank, pickle.loads(state[len(_ABORT) :]), world_size, what, timeout)
         if store.add(f"{key}/n", 0) >= world_size:
             if store.compare_set(state_key, "", _GO) == _GO:
                 return
@@ -207,9 +207,7 @@ def _wait_for_all(store: dist.Store, key: str, rank: int, world_size: int, what:
         pause = min(pause * 2, 0.02)
 
 
-def _timeout_error(
-    rank: int, missing: list[int], world_size: int, what: str, timeout: float
-) -> CollectiveTimeoutError:
+def _timeout_error(rank: int, missing: list[int], world_size: int, what: str, timeout: float) -> CollectiveTimeoutError:
     """The same explanation on every rank that gave up, or that arrived after the others gave up."""
     if rank in missing:
         return CollectiveTimeoutError(

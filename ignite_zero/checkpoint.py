@@ -175,7 +175,10 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             logger.warning(
                 "Rank %d planned %s, rank %d (the recipient) planned %s; following the recipient. Make "
                 "`score_function` and `global_step_transform` return the same value on every rank.",
-                rank, _summary(plan), self.consolidate_recipient_rank, _summary(agreed),
+                rank,
+                _summary(plan),
+                self.consolidate_recipient_rank,
+                _summary(agreed),
             )
         if agreed is None:
             return
@@ -190,7 +193,9 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                     self._write(checkpoint, agreed)
                     logger.info(
                         "Checkpoint %s: state gathered in %.2f s, written in %.2f s",
-                        agreed.filename, gathered - started, time.perf_counter() - gathered,
+                        agreed.filename,
+                        gathered - started,
+                        time.perf_counter() - gathered,
                     )
             except Exception as error:
                 failure = error
@@ -217,9 +222,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
 
         saved = [(item.priority, item.filename) for item in self._saved]
         full = self.n_saved is not None and len(saved) >= self.n_saved
-        if full and not (
-            priority >= saved[0][0] if self.greater_or_equal else priority > saved[0][0]
-        ):
+        if full and not (priority >= saved[0][0] if self.greater_or_equal else priority > saved[0][0]):
             return None
 
         name = next(iter(self.to_save)) if len(self.to_save) == 1 else "checkpoint"
@@ -416,9 +419,7 @@ class ModelCheckpoint(Checkpoint):
         super().__call__(engine)
 
 
-def _resolve_recipient(
-    consolidate_recipient_rank: int | None, save_on_rank: int | None, save_handler: Any
-) -> int:
+def _resolve_recipient(consolidate_recipient_rank: int | None, save_on_rank: int | None, save_handler: Any) -> int:
     """The one rank that receives and writes, from the places a user may have named it."""
     given = {}
     if consolidate_recipient_rank is not None:

@@ -1,8 +1,8 @@
 """``ignite-zero``: inspect, verify and consolidate checkpoints from the command line.
 
-    ignite-zero inspect checkpoint_3.pt
-    ignite-zero verify checkpoint_3.pt
-    python -m ignite_zero verify checkpoint_3.pt
+ignite-zero inspect checkpoint_3.pt
+ignite-zero verify checkpoint_3.pt
+python -m ignite_zero verify checkpoint_3.pt
 """
 
 from __future__ import annotations

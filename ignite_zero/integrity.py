@@ -91,8 +91,9 @@ def read_trailer(path: str | Path) -> dict[str, Any] | None:
         with zipfile.ZipFile(path) as archive:
             return _parse(archive.comment)
     except (zipfile.BadZipFile, OSError) as error:
-        raise IntegrityError(f"{path} is not a complete checkpoint file ({error}): truncated or not written by "
-                             "torch.save") from error
+        raise IntegrityError(
+            f"{path} is not a complete checkpoint file ({error}): truncated or not written by torch.save"
+        ) from error
 
 
 def _parse(comment: bytes) -> dict[str, Any] | None:
@@ -142,7 +143,9 @@ def _check_end(path: Path) -> None:
         tail = f.read()
     start = tail.rfind(_EOCD_SIGNATURE)
     if start < 0 or len(tail) - start < _EOCD.size:
-        raise IntegrityError(f"{path} is not a complete checkpoint file: no zip end record (truncated or not a torch file)")
+        raise IntegrityError(
+            f"{path} is not a complete checkpoint file: no zip end record (truncated or not a torch file)"
+        )
     announced = _EOCD.unpack(tail[start : start + _EOCD.size])[-1]
     present = len(tail) - start - _EOCD.size
     if announced != present:
@@ -161,8 +164,10 @@ def _check_layout(path: Path, archive: zipfile.ZipFile, trailer: dict[str, Any])
         offset, size = _central_directory(f, trailer["size"], len(archive.comment))
         crc = _directory_crc(f, offset, size)
     if crc != trailer["directory_crc32"]:
-        raise IntegrityError(f"{path}: the zip central directory is corrupt (CRC-32 {crc:#010x}, expected "
-                             f"{trailer['directory_crc32']:#010x})")
+        raise IntegrityError(
+            f"{path}: the zip central directory is corrupt (CRC-32 {crc:#010x}, expected "
+            f"{trailer['directory_crc32']:#010x})"
+        )
 
 
 def _check_record(path: Path, archive: zipfile.ZipFile, record: zipfile.ZipInfo) -> None:

@@ -62,8 +62,10 @@ def restore(
     entries, failure = None, None
     try:
         if identity is not None:
-            loaded = checkpoint if isinstance(checkpoint, Mapping) else _read(
-                Path(checkpoint), weights_only, verify=_verifies(rank, reports, seers)
+            loaded = (
+                checkpoint
+                if isinstance(checkpoint, Mapping)
+                else _read(Path(checkpoint), weights_only, verify=_verifies(rank, reports, seers))
             )
             entries = _entries(objects, loaded)
         entries = _distribute(entries, [need for _, _, need in reports], seers)

@@ -149,9 +149,7 @@ class DiskSaver(BaseSaveHandler):
             self._write_atomically(checkpoint, path)
         else:
             self._write_in_place(checkpoint, path)
-        logger.info(
-            "Saved %s (%.1f MB) in %.2f s", path, path.stat().st_size / 1e6, time.perf_counter() - started
-        )
+        logger.info("Saved %s (%.1f MB) in %.2f s", path, path.stat().st_size / 1e6, time.perf_counter() - started)
 
     def _write_atomically(self, checkpoint: Mapping, path: Path) -> None:
         temporary = path.with_name(f".{path.name}.ignite_zero-{uuid.uuid4().hex[:12]}.tmp")

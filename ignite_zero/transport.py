@@ -502,7 +502,9 @@ def gather_to(
     for peer in range(ranks.size):
         if peer != ranks.rank:
             try:
-                incoming[peer] = _IncomingObject(ranks.peer(peer), _recv_bytes(ranks.peer(peer), ranks.group, "its object"))
+                incoming[peer] = _IncomingObject(
+                    ranks.peer(peer), _recv_bytes(ranks.peer(peer), ranks.group, "its object")
+                )
             except _PeerError as error:
                 failures[peer] = str(error)
     _receive_all([item.receiver for item in incoming.values()], ranks.group)

@@ -9,7 +9,6 @@ naming it, so no test can hang.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
 import signal
 import tempfile
@@ -106,5 +105,7 @@ def run_ranks(
                 problems.append(f"rank {rank} raised:\n{value}")
             results.append(value)
         if problems:
-            raise AssertionError(f"{fn.__name__} on {world_size} ranks failed (hung ranks {hung}):\n" + "\n".join(problems))
+            raise AssertionError(
+                f"{fn.__name__} on {world_size} ranks failed (hung ranks {hung}):\n" + "\n".join(problems)
+            )
         return results

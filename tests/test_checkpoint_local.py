@@ -4,7 +4,6 @@ names, scores, retention and state, checked side by side against ignite's own Ch
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from ignite.engine import Engine, Events
@@ -45,7 +44,7 @@ def _run_side_by_side(tmp_path, make_handler, objects=("model", "optimizer", "tr
         steps = []
 
         @trainer.on(event)
-        def record(engine):
+        def record(engine, dirname=dirname, handler=handler, steps=steps):
             names = sorted(os.listdir(dirname))
             last = handler.last_checkpoint
             steps.append((names, None if last is None else Path(last).name, handler.state_dict()))
@@ -129,9 +128,13 @@ def test_model_checkpoint_matches_ignite(tmp_path):
         trainer.add_event_handler(Events.EPOCH_COMPLETED, handler, {"model": model, "optimizer": optimizer})
         trainer.run(range(3), max_epochs=len(SCORES))
         history[flavour] = (sorted(os.listdir(tmp_path / flavour)), Path(handler.last_checkpoint).name)
-    assert history["ours"] == history["ignite"] == (
-        ["prefix_checkpoint_acc=0.7000.pt", "prefix_checkpoint_acc=0.9000.pt"],
-        "prefix_checkpoint_acc=0.9000.pt",
+    assert (
+        history["ours"]
+        == history["ignite"]
+        == (
+            ["prefix_checkpoint_acc=0.7000.pt", "prefix_checkpoint_acc=0.9000.pt"],
+            "prefix_checkpoint_acc=0.9000.pt",
+        )
     )
 
 

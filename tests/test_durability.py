@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from ignite.engine import Engine, Events
+from ignite.engine import Engine
 from training import assert_state_equal, tiny_model
 
 from ignite_zero import Checkpoint, DiskSaver, verify_file

@@ -17,7 +17,9 @@ def test_negative_recipient(tmp_path):
 
 
 def test_recipient_outside_the_world(tmp_path):
-    with pytest.raises(ValueError, match=r"Recipient rank 1 is outside the process group of 1 ranks; choose a rank in \[0, 1\)"):
+    with pytest.raises(
+        ValueError, match=r"Recipient rank 1 is outside the process group of 1 ranks; choose a rank in \[0, 1\)"
+    ):
         Checkpoint({"model": tiny_model()}, tmp_path, consolidate_recipient_rank=1)
 
 

@@ -16,8 +16,9 @@ def test_main_example_trains_on_two_ranks_and_resumes_on_three(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-5000:]
     assert "[2 ranks] epoch 3: loss" in result.stdout
-    assert "[3 ranks] restored checkpoint_48.pt: epoch 3, iteration 48; optimizer state of 6 parameters matches: True" in (
-        result.stdout
+    assert (
+        "[3 ranks] restored checkpoint_48.pt: epoch 3, iteration 48; optimizer state of 6 parameters matches: True"
+        in (result.stdout)
     )
     assert "[3 ranks] epoch 4: loss" in result.stdout and "saved" in result.stdout
     # the resumed run went on checkpointing, and on removing the oldest files

@@ -126,7 +126,10 @@ def _save_with_fault(rank, world_size, dirname, fault, faulty_rank, width):
     optimizer = zero_adam(model)
     saver = DiskSaver(dirname, require_empty=False)
     checkpoint = Checkpoint(
-        {"model": model, "optimizer": optimizer}, saver, n_saved=1, consolidate_recipient_rank=1,
+        {"model": model, "optimizer": optimizer},
+        saver,
+        n_saved=1,
+        consolidate_recipient_rank=1,
         sync_timeout=SYNC_TIMEOUT,
     )
     engine = Engine(lambda e, b: None)
@@ -215,7 +218,7 @@ def small_disk(tmp_path):
 @pytest.mark.parametrize("fault", ["ENOSPC before writing", "ENOSPC while writing"])
 def test_full_disk_raises_on_every_rank(small_disk, fault):
     results = run_ranks(_save_with_fault, 3, small_disk, fault, 1, 512, timeout=60)
-    for kind, message, last in results:
+    for kind, message, _ in results:
         assert kind == "RankFailureError"
         assert "rank 1:" in message
         if fault == "ENOSPC before writing":
@@ -257,7 +260,10 @@ def _misuse(rank, world_size, dirname, misuse):
     engine = Engine(lambda e, b: None)
     score = (lambda _: 1.0 + rank) if misuse == "rank-dependent score" else (lambda e: float(e.state.iteration))
     checkpoint = Checkpoint(
-        {"model": model, "optimizer": optimizer}, DiskSaver(dirname), score_function=score, n_saved=1,
+        {"model": model, "optimizer": optimizer},
+        DiskSaver(dirname),
+        score_function=score,
+        n_saved=1,
         sync_timeout=SYNC_TIMEOUT,
     )
     engine.state.iteration = 1
@@ -341,10 +347,14 @@ def test_truncated_file_at_load(tmp_path):
     "other, expected",
     [
         (nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3)), "missing keys ['3.weight', '3.bias']"),
-        (nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3), nn.Linear(3, 1), nn.Linear(1, 1)),
-         "unexpected keys ['4.weight', '4.bias']"),
-        (nn.Sequential(nn.Linear(7, 6), nn.ReLU(), nn.Linear(6, 3), nn.Linear(3, 1)),
-         "0.weight: checkpoint (6, 7), model (5, 7)"),
+        (
+            nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3), nn.Linear(3, 1), nn.Linear(1, 1)),
+            "unexpected keys ['4.weight', '4.bias']",
+        ),
+        (
+            nn.Sequential(nn.Linear(7, 6), nn.ReLU(), nn.Linear(6, 3), nn.Linear(3, 1)),
+            "0.weight: checkpoint (6, 7), model (5, 7)",
+        ),
     ],
     ids=["missing keys", "unexpected keys", "wrong shapes"],
 )

@@ -43,7 +43,8 @@ def _save(rank, world_size, dirname):
     optimizer = zero_adam(model)
     trainer = Engine(lambda engine, _: train_step(model, optimizer, rank, engine.state.iteration))
     trainer.add_event_handler(
-        Events.EPOCH_COMPLETED, Checkpoint({"model": model, "optimizer": optimizer, "trainer": trainer}, DiskSaver(dirname))
+        Events.EPOCH_COMPLETED,
+        Checkpoint({"model": model, "optimizer": optimizer, "trainer": trainer}, DiskSaver(dirname)),
     )
     trainer.run(range(3), max_epochs=1)
 
@@ -89,7 +90,9 @@ def test_ranks_that_cannot_see_the_file_get_their_part_from_one_that_can(tmp_pat
 def _different_files(rank, world_size, dirname):
     if rank == 1:
         _hide(dirname)
-        DiskSaver(dirname, save_on_rank=1)({"model": tiny_model(seed=5).state_dict(), "optimizer": {}}, "checkpoint_3.pt")
+        DiskSaver(dirname, save_on_rank=1)(
+            {"model": tiny_model(seed=5).state_dict(), "optimizer": {}}, "checkpoint_3.pt"
+        )
     optimizer = zero_adam(tiny_model())
     with pytest.raises(ValueError, match=r"Ranks see different files at .*checkpoint_3.pt \(size, checksum: rank 0: "):
         Checkpoint.load_objects({"model": tiny_model(), "optimizer": optimizer}, dirname / "checkpoint_3.pt")
@@ -112,4 +115,7 @@ def test_a_file_that_no_rank_sees_fails_on_every_rank(tmp_path):
 
 def test_optimizer_state_part_selects_by_index():
     entry = {"state": {0: {"step": 1}, 3: {"step": 2}}, "param_groups": [{"params": [0, 1, 2, 3]}]}
-    assert OptimizerStatePart((3, 5)).select(entry) == {"state": {3: {"step": 2}}, "param_groups": entry["param_groups"]}
+    assert OptimizerStatePart((3, 5)).select(entry) == {
+        "state": {3: {"step": 2}},
+        "param_groups": entry["param_groups"],
+    }

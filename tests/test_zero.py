@@ -192,8 +192,9 @@ def test_zero_on_a_sub_group(tmp_path):
     assert_state_equal(torch.load(tmp_path / "optimizer_0.pt", weights_only=True), expected)
     errors = run_ranks(_sub_group, 3, tmp_path / "other", 2)
     assert len(set(errors)) == 1, "every rank raises the same error"
-    assert "Recipient rank 2 is not in the process group of this ZeroRedundancyOptimizer (global ranks [0, 1])" in (
-        errors[0]
+    assert (
+        "Recipient rank 2 is not in the process group of this ZeroRedundancyOptimizer (global ranks [0, 1])"
+        in (errors[0])
     )
     assert "rank 0:" in errors[0] and "rank 1:" in errors[0] and "rank 2:" not in errors[0]
 
