@@ -160,7 +160,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         if not engine.has_registered_events(CheckpointEvents.SAVED_CHECKPOINT):
             engine.register_events(*CheckpointEvents)
         rank, world_size = rank_and_world()
-        objects = map_objects(self.to_save, lambda _, obj: adapt(obj, self.consolidate_recipient_rank))
+        objects = adapt(self.to_save, self.consolidate_recipient_rank)
         layout = _layout(objects)
         plan, failure = None, None
         try:

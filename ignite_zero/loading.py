@@ -26,6 +26,7 @@ from torch import nn
 
 from ignite_zero import integrity, transport
 from ignite_zero.adapters import ShardedState, adapt, map_objects
+from ignite_zero.adapters.fsdp import full_optimizer_state_to_plain, owns_parameters
 from ignite_zero.agreement import rank_and_world, settle
 
 __all__ = ["restore"]
@@ -35,14 +36,14 @@ def restore(
     to_load: Mapping, checkpoint: str | Path | Mapping, *, weights_only: bool, sync_timeout: float, kwargs: Mapping
 ) -> None:
     """Restore ``to_load`` from ``checkpoint``; see :meth:`ignite_zero.Checkpoint.load_objects`."""
-    objects = map_objects(to_load, lambda _, obj: adapt(obj, 0))
+    objects = adapt(to_load, 0)
     sharded: list[bool] = []
     map_objects(objects, lambda _, obj: sharded.append(isinstance(obj, ShardedState)))
     rank, world_size = rank_and_world()
     if world_size == 1 or not any(sharded):
         if not isinstance(checkpoint, Mapping):
             checkpoint = _read(Path(checkpoint), weights_only, verify=True)
-        entries = _entries(objects, checkpoint)
+        entries = _for_plain_optimizers(objects, _entries(objects, checkpoint))
         _pair(objects, entries, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
         _pair(objects, entries, lambda path, obj, entry: _load_entry(obj, entry, kwargs))
         return
@@ -68,7 +69,7 @@ def restore(
                 else _read(Path(checkpoint), weights_only, verify=_verifies(rank, reports, seers))
             )
             entries = _entries(objects, loaded)
-        entries = _distribute(entries, [need for _, _, need in reports], seers)
+        entries = _for_plain_optimizers(objects, _distribute(entries, [need for _, _, need in reports], seers))
         _pair(objects, entries, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
     except Exception as error:
         failure = error
@@ -164,20 +165,47 @@ def _entries(objects: Mapping, loaded: Mapping) -> Any:
     return {key: loaded[key] for key in objects}
 
 
-def _pair(objects: Any, entries: Any, func: Callable[[str, Any, Any], None], path: str = "") -> None:
-    """Call ``func(path, obj, entry)`` for every object of a nested ``to_load`` and its checkpoint entry."""
+def _pair(objects: Any, entries: Any, func: Callable[[str, Any, Any], Any], path: str = "") -> Any:
+    """``func(path, obj, entry)`` for every object of a nested ``to_load`` and its entry, in the same shape."""
     if isinstance(objects, Mapping):
+        result = {}
         for key, obj in objects.items():
             if not isinstance(entries, Mapping) or key not in entries:
                 raise KeyError(f"The checkpoint has no entry {path}[{key!r}]; load only the objects it holds")
-            _pair(obj, entries[key], func, f"{path}[{key!r}]")
-    elif isinstance(objects, list):
+            result[key] = _pair(obj, entries[key], func, f"{path}[{key!r}]")
+        return result
+    if isinstance(objects, list):
         if not isinstance(entries, (list, tuple)) or len(entries) != len(objects):
             raise KeyError(f"The checkpoint entry {path} does not hold {len(objects)} objects")
-        for index, (obj, entry) in enumerate(zip(objects, entries)):
-            _pair(obj, entry, func, f"{path}[{index}]")
-    else:
-        func(path, objects, entries)
+        return [_pair(obj, entry, func, f"{path}[{index}]") for index, (obj, entry) in enumerate(zip(objects, entries))]
+    return func(path, objects, entries)
+
+
+def _for_plain_optimizers(objects: Any, entries: Any) -> Any:
+    """Entries of plain optimizers saved by name (from an FSDP model), in the index-keyed form they load.
+
+    The names are those of the parameters in the plain model the optimizer updates, which must be in ``to_load``.
+    """
+    models: list[nn.Module] = []
+    map_objects(objects, lambda _, obj: models.append(obj) if isinstance(obj, nn.Module) else None)
+
+    def translate(path: str, obj: Any, entry: Any) -> Any:
+        if not (isinstance(obj, torch.optim.Optimizer) and _names_parameters(entry)):
+            return entry
+        model = next((m for m in models if owns_parameters(m, obj)), None)
+        if model is None:
+            raise ValueError(
+                f"The checkpoint entry {path} names its parameters (it was saved from an FSDP model): load it together "
+                "with the model whose parameters the optimizer updates, e.g. {'model': model, 'optimizer': optimizer}"
+            )
+        return full_optimizer_state_to_plain(model, obj, entry)
+
+    return _pair(objects, entries, translate)
+
+
+def _names_parameters(entry: Any) -> bool:
+    groups = entry.get("param_groups") if isinstance(entry, Mapping) else None
+    return bool(groups) and isinstance(groups[0], Mapping) and any(isinstance(p, str) for p in groups[0]["params"])
 
 
 def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:

@@ -1,4 +1,4 @@
-"""Adapters: one small ``Stateful``-style class per kind of sharded state, and :func:`adapt` to pick one.
+"""Adapters: one small ``Stateful``-style class per kind of sharded state, and :func:`adapt` to pick them.
 
 Each adapter's ``state_dict()`` is a collective that returns the full state on the recipient rank and ``{}``
 elsewhere; its ``load_state_dict()`` restores the object from a full state saved on any world size. They work
@@ -11,21 +11,54 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from ignite_zero.adapters.base import ShardedState, copy_structure
+from ignite_zero.adapters.fsdp import (
+    FSDPModelState,
+    FSDPOptimizerState,
+    holds_sharded_parameters,
+    is_fsdp_module,
+    owns_parameters,
+)
 from ignite_zero.adapters.zero import ZeROState
 
-__all__ = ["ShardedState", "ZeROState", "adapt", "copy_structure", "map_objects"]
+__all__ = [
+    "FSDPModelState",
+    "FSDPOptimizerState",
+    "ShardedState",
+    "ZeROState",
+    "adapt",
+    "copy_structure",
+    "map_objects",
+]
 
 
-def adapt(obj: Any, recipient_rank: int) -> Any:
-    """The object to checkpoint in place of ``obj``: an adapter for sharded state, the wrapped module of a
-    data-parallel wrapper, or ``obj`` itself.
+def adapt(objects: Any, recipient_rank: int) -> Any:
+    """The objects to checkpoint in place of those of a nested ``to_save`` (or ``to_load``).
+
+    Data-parallel wrappers give way to their module; FSDP1/FSDP2 models become :class:`FSDPModelState`; an
+    optimizer whose parameters belong to one of those models becomes its :class:`FSDPOptimizerState`; optimizers
+    with ``consolidate_state_dict`` (ZeRO, OSS) become :class:`ZeROState`; anything else stays as it is.
 
     Raises:
-        ValueError: ``obj`` is an adapter made for another recipient rank.
+        ValueError: an adapter was made for another recipient rank, or an optimizer updates FSDP-sharded
+            parameters of a model that is not among ``objects``.
     """
+    unwrapped = map_objects(objects, lambda _, obj: _unwrap(obj))
+    models: list[nn.Module] = []
+    map_objects(unwrapped, lambda _, obj: models.append(obj) if is_fsdp_module(obj) else None)
+    return map_objects(unwrapped, lambda path, obj: _adapt(path, obj, models, recipient_rank))
+
+
+def _unwrap(obj: Any) -> Any:
+    while isinstance(obj, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        obj = obj.module
+    return obj
+
+
+def _adapt(path: str, obj: Any, models: list[nn.Module], recipient_rank: int) -> Any:
     if isinstance(obj, ShardedState):
         if obj.recipient_rank != recipient_rank:
             raise ValueError(
@@ -33,10 +66,20 @@ def adapt(obj: Any, recipient_rank: int) -> Any:
                 f"{recipient_rank}; create the adapter with `recipient_rank={recipient_rank}`"
             )
         return obj
-    if isinstance(obj, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        return adapt(obj.module, recipient_rank)
+    if is_fsdp_module(obj):
+        return FSDPModelState(obj, recipient_rank)
     if callable(getattr(obj, "consolidate_state_dict", None)):
         return ZeROState(obj, recipient_rank)
+    if isinstance(obj, torch.optim.Optimizer) and (models or holds_sharded_parameters(obj)):
+        owner = next((model for model in models if owns_parameters(model, obj)), None)
+        if owner is not None:
+            return FSDPOptimizerState(owner, obj, recipient_rank)
+        if holds_sharded_parameters(obj):
+            raise ValueError(
+                f"The optimizer {path} updates parameters sharded by FSDP, but none of the models beside it holds "
+                "them, so only this rank's shard of its state could be saved. Put its FSDP model in `to_save` too, "
+                "e.g. {'model': model, 'optimizer': optimizer}."
+            )
     return obj
 
 
