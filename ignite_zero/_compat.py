@@ -121,12 +121,12 @@ def serialization_crc32() -> Iterator[None]:
 # docstring (torch/distributed/fsdp/_flat_param.py) and unchanged since torch 2.0; `check_fsdp1_layout`
 # turns a future change into a clear error instead of a wrong checkpoint.
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from torch import nn
+# Imported here to keep this section self-contained.
+from dataclasses import dataclass  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 if TYPE_CHECKING:
+    from torch import nn
     from torch.distributed.fsdp import FlatParameter, FullyShardedDataParallel
 
 __all__ += [
@@ -239,7 +239,7 @@ def fsdp1_orig_params(flat: FlatParameter) -> list[nn.Parameter] | None:
 
 
 def is_fsdp_flattened(tensor: torch.Tensor) -> bool:
-    """Whether FSDP1 flattened ``tensor``: a ``FlatParameter``, or an original parameter with ``use_orig_params=True``."""
+    """Whether FSDP1 flattened ``tensor``: a ``FlatParameter``, or an original parameter (``use_orig_params=True``)."""
     from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
 
     return _is_fsdp_flattened(tensor)

@@ -180,7 +180,9 @@ def _assert_states(actual: dict[str, Any], expected: dict[str, Any], exact: bool
     else:
         tolerance = {"atol": 2e-2, "rtol": 2e-2} if bf16 else {"atol": 1e-5, "rtol": 1e-4}
         torch.testing.assert_close(dict(actual["model"]), dict(expected["model"]), **tolerance)
-        torch.testing.assert_close(dict(actual["optimizer"]["state"]), dict(expected["optimizer"]["state"]), **tolerance)
+        torch.testing.assert_close(
+            dict(actual["optimizer"]["state"]), dict(expected["optimizer"]["state"]), **tolerance
+        )
     groups, expected_groups = actual["optimizer"]["param_groups"], expected["optimizer"]["param_groups"]
     assert [sorted(g["params"]) for g in groups] == [sorted(g["params"]) for g in expected_groups]
     assert [{**g, "params": None} for g in groups] == [{**g, "params": None} for g in expected_groups]
@@ -373,12 +375,16 @@ def _layouts(rank: int, world_size: int) -> None:
         return model
 
     # FSDP2 `Shard(1)`: a rank's piece is not one flat range (the recipient stages it)
-    _against_twin(rank, lambda: nn.Sequential(nn.Linear(7, 6), Block(6, 6), Block(6, 6), nn.Linear(6, 3)), shard_columns)
+    _against_twin(
+        rank, lambda: nn.Sequential(nn.Linear(7, 6), Block(6, 6), Block(6, 6), nn.Linear(6, 3)), shard_columns
+    )
 
     # FSDP1 leaves ignored modules alone: their parameters are whole on every rank
     def ignoring_head(model: nn.Module) -> nn.Module:
         policy = ModuleWrapPolicy({Block})
-        return FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), ignored_modules=[model.head])
+        return FullyShardedDataParallel(
+            model, auto_wrap_policy=policy, device_id=torch.device("cpu"), ignored_modules=[model.head]
+        )
 
     _against_twin(rank, Net, ignoring_head)
 
@@ -456,7 +462,9 @@ def _checks(rank: int, world_size: int) -> None:
         "plain": False,
     }
     assert owns_parameters(fsdp1, optimizers["fsdp1"]) and not owns_parameters(fsdp2, optimizers["fsdp1"])
-    assert owns_parameters(fsdp1_orig, optimizers["fsdp1_orig"]) and not owns_parameters(fsdp1, optimizers["fsdp1_orig"])
+    assert owns_parameters(fsdp1_orig, optimizers["fsdp1_orig"]) and not owns_parameters(
+        fsdp1, optimizers["fsdp1_orig"]
+    )
     assert owns_parameters(fsdp2, optimizers["fsdp2"]) and not owns_parameters(plain, optimizers["fsdp2"])
     # FSDP2 kept unsharded after a forward (reshard_after_forward=False): still paired with its optimizer
     unsharded = _wrap(Net(), "fsdp2_no_reshard")
@@ -465,7 +473,11 @@ def _checks(rank: int, world_size: int) -> None:
     assert owns_parameters(unsharded, unsharded_optimizer)
     FSDPOptimizerState(unsharded, unsharded_optimizer).check()
 
-    for adapter in (FSDPModelState(fsdp1, 1), FSDPModelState(fsdp2_part), FSDPOptimizerState(fsdp2, optimizers["fsdp2"])):
+    for adapter in (
+        FSDPModelState(fsdp1, 1),
+        FSDPModelState(fsdp2_part),
+        FSDPOptimizerState(fsdp2, optimizers["fsdp2"]),
+    ):
         adapter.check()
     with pytest.raises(TypeError, match="contains no FSDP1 or FSDP2 module"):
         FSDPModelState(plain)

@@ -8,7 +8,8 @@ FSDP1 does not manage (ignored modules) too.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,21 +117,19 @@ def model_pieces(module: nn.Module) -> Pieces:
     """This rank's pieces of the full model state, keyed ``(name,)`` in the unwrapped module's ``state_dict()`` order:
     per module, its parameters, then its buffers and extra state."""
     pieces = Pieces()
-    # Parameters are found per unit, but the order is per owning module.
-    owned: dict[int, list[tuple[str, Any]]] = {}
+    # Parameters are found per unit, but the order is per owning module: collect the additions by owner.
+    owned: dict[int, list[Callable[[], None]]] = {}
     for unit in _units(module):
         shard = _compat.fsdp1_local_shard(unit.flat)
         for entry in unit.entries:
-            owned.setdefault(id(entry.owner), []).append(("piece", (unit.slot(entry, True), shard)))
+            slot = unit.slot(entry, True)
+            owned.setdefault(id(entry.owner), []).append(functools.partial(slot.add_to, pieces, (slot.name,), shard))
         for shared in unit.shared:  # tied: sent once, the same tensor under both names on the recipient
-            owned.setdefault(id(shared.owner), []).append(("alias", (unit.name(shared.name), unit.name(shared.primary))))
+            alias = functools.partial(pieces.add_alias, (unit.name(shared.name),), (unit.name(shared.primary),))
+            owned.setdefault(id(shared.owner), []).append(alias)
     for prefix, m in _plain_modules(module):
-        for kind, item in owned.get(id(m), []):
-            if kind == "piece":
-                slot, shard = item
-                slot.add_to(pieces, (slot.name,), shard)
-            else:
-                pieces.add_alias((item[0],), (item[1],))
+        for add in owned.get(id(m), []):
+            add()
         for name, value in [*_unmanaged_parameters(m), *_persistent_buffers(m)]:
             add_value(pieces, (prefix + name,), value)
         if _has_extra_state(m):

@@ -410,7 +410,9 @@ def _saved_entries(layout: ParamLayout, saved_state: Mapping[str, Any]) -> list[
     keys = set(present[0][1])
     for slot, entry in present:
         if set(entry) != keys:
-            raise ValueError(f"Saved optimizer state of {slot.name} has entries {sorted(entry)}, expected {sorted(keys)}")
+            raise ValueError(
+                f"Saved optimizer state of {slot.name} has entries {sorted(entry)}, expected {sorted(keys)}"
+            )
         for key, value in entry.items():
             sharded = isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == slot.shape
             if isinstance(value, torch.Tensor) and value.dim() > 0 and not sharded and not slot.is_whole:
@@ -486,10 +488,8 @@ def _element_wise_target(layout: ParamLayout, existing: Any, dtype: torch.dtype)
     """
     param = layout.param
     if isinstance(param, DTensor):
-        if (
-            isinstance(existing, DTensor)
-            and (existing.placements, existing.shape, existing.dtype) == (param.placements, param.shape, dtype)
-        ):
+        wanted = (param.placements, param.shape, dtype)
+        if isinstance(existing, DTensor) and (existing.placements, existing.shape, existing.dtype) == wanted:
             return existing.to_local(), existing
         local = torch.zeros(layout.local_shape, dtype=dtype, device=param.to_local().device)
         return local, _fsdp2.dtensor_like(param, local)
