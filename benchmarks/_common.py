@@ -3,7 +3,8 @@ and the statistics the tables print.
 
 Memory is the growth of a process's resident set during one operation: a background thread samples
 ``/proc/self/statm`` every ``interval`` seconds (5 ms), and the kernel's own high-water mark is reset just
-before and read just after (``/proc/self/clear_refs``), which catches peaks between samples. Every rank
+before and read just after (``/proc/self/clear_refs``), which catches peaks between samples; the growth of its
+anonymous part, which leaves out the pages of mapped files, is sampled too. Every rank
 makes glibc serve buffers of 1 MiB and more with ``mmap`` (``mallopt``), so that they go back to the system
 when freed: otherwise glibc reuses freed memory and the growth of a later operation disappears.
 """
@@ -33,9 +34,12 @@ __all__ = ["Measurement", "launch", "measure", "scratch_directory", "summary"]
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _rss() -> int:
+def _resident() -> tuple[int, int]:
+    """The resident set and its anonymous part (without file-backed and shared pages), in bytes."""
     with open("/proc/self/statm", "rb") as f:
-        return int(f.read().split()[1]) * _PAGE
+        fields = f.read().split()
+    resident, shared = int(fields[1]), int(fields[2])
+    return resident * _PAGE, (resident - shared) * _PAGE
 
 
 def _high_water_mark() -> int:
@@ -53,10 +57,15 @@ def _reset_high_water_mark() -> None:
 
 @dataclass
 class Measurement:
-    """Seconds and resident-memory growth (bytes) of one operation on one rank."""
+    """Seconds and resident-memory growth (bytes) of one operation on one rank.
+
+    ``anon_growth`` leaves out pages of mapped files: reading an ``mmap``'d checkpoint fills the page cache,
+    which the ranks of a host share, not their own memory.
+    """
 
     seconds: float = 0.0
     growth: int = 0
+    anon_growth: int = 0
     samples: int = 0
 
 
@@ -64,13 +73,13 @@ class Measurement:
 def measure(interval: float = 0.005) -> Iterator[Measurement]:
     """Time the ``with`` block and record the peak growth of this process's resident set during it."""
     result = Measurement()
-    baseline = _rss()
-    peak = [baseline]
+    baseline = _resident()
+    peak = list(baseline)
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.wait(interval):
-            peak[0] = max(peak[0], _rss())
+            peak[:] = map(max, peak, _resident())
             result.samples += 1
 
     _reset_high_water_mark()
@@ -83,7 +92,9 @@ def measure(interval: float = 0.005) -> Iterator[Measurement]:
         result.seconds = time.perf_counter() - started
         stop.set()
         sampler.join()
-        result.growth = max(peak[0], _rss(), _high_water_mark()) - baseline
+        resident, anon = _resident()
+        result.growth = max(peak[0], resident, _high_water_mark()) - baseline[0]
+        result.anon_growth = max(peak[1], anon) - baseline[1]
 
 
 def _return_freed_memory() -> None:

@@ -1,0 +1,237 @@
+"""Host memory of FSDP checkpoints, per rank: ignite_zero's adapters against ignite 0.5.5's ``Checkpoint``.
+
+    python benchmarks/memory.py                    # FSDP1 and FSDP2, 2 ranks, 29.7M parameters in 8 units
+    python benchmarks/memory.py --kinds fsdp2
+
+Each kind shards the same model (8 blocks of 3.7M parameters, one FSDP unit each, plus a small root unit),
+trains two Adam steps on 2 gloo ranks (CPU), then saves and loads ``{"model", "optimizer"}`` both ways:
+
+- ``ignite_zero``: ``FSDPModelState`` and ``FSDPOptimizerState`` gather the full state on rank 1, which writes it
+  with ``ignite_zero.DiskSaver``; loading reads the file with ``torch.load(mmap=True)`` on every rank and each
+  rank copies its own part;
+- ``ignite``: ``ignite.handlers.Checkpoint(save_on_rank=0)``: every rank calls ``model.state_dict()`` and
+  ``optimizer.state_dict()``, rank 0 writes; ``Checkpoint.load_objects`` loads the file on every rank. (Its files
+  are not even right: the optimizer entry is rank 0's shard, and with FSDP2 the model entry too.)
+
+Loads go into the trained model and optimizer, which already hold their state, so any growth is transient.
+Growth is the peak during the operation minus the value just before it, sampled every 5 ms by a background
+thread (see ``_common.measure``): the resident set for saves; for loads its anonymous part (RssAnon), because
+an ``mmap``'d file's pages are shared page cache, not a rank's own memory. The process re-executes itself
+with ``MALLOC_MMAP_THRESHOLD_`` set (and every rank sets glibc's thresholds with ``mallopt``), so that freed
+tensors go back to the system instead of hiding later growth.
+
+The bounds are DESIGN.md's invariant 4: a rank that is not the recipient grows by at most twice the largest
+FSDP unit's state (parameters and Adam state) plus 16 MiB, during saves and loads; the recipient (the writing
+rank for ignite) by at most 1.1 times the full state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import Measurement, launch, measure, scratch_directory
+from ignite.engine import Engine
+from ignite.handlers import Checkpoint as IgniteCheckpoint
+from ignite.handlers import DiskSaver as IgniteDiskSaver
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from ignite_zero import DiskSaver
+from ignite_zero.adapters.fsdp import FSDPModelState, FSDPOptimizerState
+
+MiB = 2**20
+WIDTH, BLOCKS, WORLD_SIZE, RECIPIENT, IGNITE_WRITER = 1920, 8, 2, 1, 0
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.lin(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, WIDTH)
+        self.blocks = nn.Sequential(*(_Block() for _ in range(BLOCKS)))
+        self.head = nn.Linear(WIDTH, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.inp(x)))
+
+
+def _shard(model: nn.Module, kind: str) -> nn.Module:
+    if kind == "fsdp1":
+        policy = ModuleWrapPolicy({_Block})
+        return FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+# --------------------------------------------------------------------------------------------------
+# The operations, on every rank
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _rank(rank: int, world_size: int, kind: str, directory: Path) -> dict[str, Any]:
+    warnings.simplefilter("ignore")  # torch's and ignite's FSDP deprecation warnings, once per tensor
+    torch.manual_seed(0)
+    model = _shard(_Net(), kind)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for step in range(2):
+        model(torch.randn(8, 64, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    to_save = {"model": model, "optimizer": optimizer}
+    ours = {"model": FSDPModelState(model, RECIPIENT), "optimizer": FSDPOptimizerState(model, optimizer, RECIPIENT)}
+    saver = DiskSaver(directory, require_empty=False, save_on_rank=RECIPIENT)
+    ignite_saver = IgniteDiskSaver(directory, require_empty=False, save_on_rank=IGNITE_WRITER)
+    theirs = IgniteCheckpoint(to_save, ignite_saver, filename_prefix="ignite", save_on_rank=IGNITE_WRITER)
+    engine = Engine(lambda e, b: None)
+    engine.state.iteration = 1
+    full_bytes = 0
+
+    def save_ours() -> None:
+        nonlocal full_bytes
+        state = {name: adapter.state_dict() for name, adapter in ours.items()}
+        full_bytes = max(full_bytes, _nbytes(state))
+        saver(state, "ours.pt")
+
+    def load_ours() -> None:
+        checkpoint = torch.load(directory / "ours.pt", mmap=True, weights_only=True)
+        for name, adapter in ours.items():
+            adapter.load_state_dict(checkpoint[name])
+
+    theirs_file = directory / "ignite_checkpoint_1.pt"
+
+    def load_theirs() -> None:
+        IgniteCheckpoint.load_objects(to_save, str(theirs_file))
+
+    operations = {
+        ("save", "ignite_zero"): save_ours,
+        ("save", "ignite"): lambda: theirs(engine),
+        ("load", "ignite_zero"): load_ours,
+        ("load", "ignite"): load_theirs,
+    }
+    results: dict[tuple[str, str], Measurement | str] = {}
+    for key, operation in operations.items():
+        gc.collect()
+        dist.barrier()
+        try:
+            with measure() as measurement:
+                operation()
+            results[key] = measurement
+        except Exception as error:  # report what failed (ignite's load of FSDP2 DTensors could), carry on
+            results[key] = f"{type(error).__name__}: {str(error).splitlines()[0][:60]}"
+    dist.barrier()
+    written = {"ignite_zero": directory / "ours.pt", "ignite": theirs_file}
+    files = {path: file.stat().st_size for path, file in written.items()}
+    return {"results": results, "full_bytes": full_bytes, "files": files}
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+
+
+def _unit_state_bytes() -> int:
+    """Parameters and Adam's two moments (fp32) of the largest FSDP unit: a block, or the root's own layers."""
+    with torch.device("meta"):
+        net = _Net()
+    block = sum(p.numel() for p in net.blocks[0].parameters())
+    root = sum(p.numel() for name, p in net.named_parameters() if not name.startswith("blocks."))
+    return max(block, root) * 4 * 3
+
+
+def _ratio(ours: float, theirs: float) -> str:
+    return f"{ours / theirs:.2f}" if theirs >= MiB else "-"
+
+
+def _table(results: dict[str, list[dict[str, Any]]]) -> str:
+    unit = _unit_state_bytes()
+    other_bound = 2 * unit + 16 * MiB
+    lines = [
+        f"{WORLD_SIZE} ranks; recipient: rank {RECIPIENT} for ignite_zero, the writer (rank {IGNITE_WRITER}) for "
+        f"ignite. Growth in MiB: RSS for saves, RssAnon for loads. Bounds: other ranks 2 x {unit / MiB:.0f} MiB "
+        "(largest unit's parameters + Adam) + 16 MiB; recipient 1.1 x the full state on saves, the other ranks' "
+        "bound on loads. Ratio: ignite_zero / ignite.",
+        "",
+        f"{'kind':6} {'op':5} {'path':12} {'file':>6} {'recipient':>10} {'bound':>6} {'other':>6} {'bound':>6} "
+        f"{'met':>4} {'seconds':>8} {'ratio recipient':>16} {'ratio other':>12}",
+    ]
+    for kind, ranks in results.items():
+        full = ranks[RECIPIENT]["full_bytes"]
+        for op in ("save", "load"):
+            measured: dict[str, tuple[int, int, float]] = {}
+            for path, writer in (("ignite_zero", RECIPIENT), ("ignite", IGNITE_WRITER)):
+                cells = [ranks[rank]["results"][(op, path)] for rank in (writer, 1 - writer)]
+                failures = [cell for cell in cells if isinstance(cell, str)]
+                if failures:
+                    lines.append(f"{kind:6} {op:5} {path:12} failed: {failures[0]}")
+                    continue
+                recipient, other = (cell.growth if op == "save" else cell.anon_growth for cell in cells)
+                measured[path] = (recipient, other, max(cell.seconds for cell in cells))
+            for path, (recipient, other, seconds) in measured.items():
+                recipient_bound = 1.1 * full if op == "save" else other_bound
+                met = recipient <= recipient_bound and other <= other_bound
+                file = f"{ranks[RECIPIENT if path == 'ignite_zero' else IGNITE_WRITER]['files'][path] / MiB:.0f}"
+                ratios = ("", "")
+                if path == "ignite_zero" and "ignite" in measured:
+                    ratios = (_ratio(recipient, measured["ignite"][0]), _ratio(other, measured["ignite"][1]))
+                lines.append(
+                    f"{kind:6} {op:5} {path:12} {file if op == 'save' else '':>6} {recipient / MiB:>+10.0f} "
+                    f"{recipient_bound / MiB:>6.0f} {other / MiB:>+6.0f} {other_bound / MiB:>6.0f} "
+                    f"{'yes' if met else 'NO':>4} {seconds:>8.2f} {ratios[0]:>16} {ratios[1]:>12}"
+                )
+        lines.append(f"{kind:6} full state: {full / MiB:.0f} MiB (model + optimizer)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", nargs="+", default=["fsdp1", "fsdp2"], choices=["fsdp1", "fsdp2"])
+    args = parser.parse_args(argv)
+    directory = scratch_directory() / f"ignite_zero-memory-{os.getpid()}"
+    directory.mkdir(parents=True)
+    results = {}
+    try:
+        for kind in args.kinds:
+            results[kind] = launch(_rank, WORLD_SIZE, kind, directory)
+            for path in directory.glob("*.pt"):
+                path.unlink()
+    finally:
+        for path in directory.glob("*"):
+            path.unlink()
+        directory.rmdir()
+    print(_table(results))
+
+
+if __name__ == "__main__":
+    # glibc reuses freed blocks (its mmap threshold grows after frees), which hides growth; a fixed threshold
+    # makes every large tensor its own mapping, returned to the system when freed.
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    main()
