@@ -1,0 +1,249 @@
+"""Device check of the FSDP adapters: CUDA tensors and NCCL, one GPU, one prepared run.
+
+    python benchmarks/gpu_check.py                 # exits 0 with a message when there is no CUDA device
+    python benchmarks/gpu_check.py --device cpu    # the same checks on CPU and gloo, to try the script itself
+
+World size 1 on one GPU: the default process group is NCCL, and the adapters move host data over the gloo
+group ``ignite_zero.transport.cpu_group`` makes. For FSDP1 (flat and original parameters), FSDP1 with
+``CPUOffload(offload_params=True)``, FSDP2 and FSDP2 with ``CPUOffloadPolicy``, a model and its unsharded twin
+(plain module and Adam on the GPU) train alike for 3 steps, then:
+
+- save: ``FSDPModelState``/``FSDPOptimizerState.state_dict()`` return plain CPU tensors only, close to the twin's
+  state, and GPU memory (``torch.cuda.max_memory_allocated``) grows during the save by less than the largest
+  parameter plus 1 MiB, far below one FSDP unit: nothing is gathered whole on the GPU;
+- load: a fresh model and optimizer loaded from the saved state gather it back exactly, hold their optimizer
+  state where their parameters are, and train on bitwise equal to the uninterrupted run; loading again into an
+  optimizer that has state grows GPU memory by less than the same bound.
+
+Prints a line per setup and exits 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import tempfile
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+# Deterministic cuBLAS, for the bitwise comparison of resumed runs; set before CUDA starts.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.fsdp import (  # noqa: E402
+    CPUOffload,
+    CPUOffloadPolicy,
+    FullyShardedDataParallel,
+    fully_shard,
+)
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from ignite_zero.adapters.fsdp import FSDPModelState, FSDPOptimizerState  # noqa: E402
+
+MiB = 2**20
+WIDTH, BLOCKS = 1024, 4  # a unit holds 4.2M parameters (16 MiB), its largest parameter 4 MiB
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(4)))
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.layers(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, WIDTH)
+        self.blocks = nn.Sequential(*(_Block() for _ in range(BLOCKS)))
+        self.head = nn.Linear(WIDTH, 5)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.inp(x))) * self.scale
+
+
+def _fsdp1(**options: Any) -> Callable[[nn.Module, torch.device], nn.Module]:
+    def shard(model: nn.Module, device: torch.device) -> nn.Module:
+        policy = ModuleWrapPolicy({_Block})
+        return FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=device, **options)
+
+    return shard
+
+
+def _fsdp2(**options: Any) -> Callable[[nn.Module, torch.device], nn.Module]:
+    def shard(model: nn.Module, device: torch.device) -> nn.Module:
+        for block in model.blocks:
+            fully_shard(block, **options)
+        return fully_shard(model, **options)
+
+    return shard
+
+
+# name -> (how to shard, whether the parameters live on the CPU, whether it needs an accelerator)
+SETUPS: dict[str, tuple[Callable[[nn.Module, torch.device], nn.Module], bool, bool]] = {
+    "fsdp1": (_fsdp1(), False, False),
+    "fsdp1_orig_params": (_fsdp1(use_orig_params=True), False, False),
+    "fsdp1_cpu_offload": (_fsdp1(cpu_offload=CPUOffload(offload_params=True)), True, True),
+    "fsdp2": (_fsdp2(), False, False),
+    "fsdp2_cpu_offload": (_fsdp2(offload_policy=CPUOffloadPolicy()), True, True),
+}
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, device: torch.device) -> None:
+    for step in steps:
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step)).to(device)
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _adam(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def _gather(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": FSDPModelState(model).state_dict(), "optimizer": FSDPOptimizerState(model, optimizer).state_dict()}
+
+
+def _load(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    FSDPModelState(model).load_state_dict(state["model"])
+    FSDPOptimizerState(model, optimizer).load_state_dict(state["optimizer"])
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _plain_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The twin's optimizer state keyed by parameter names."""
+    names = [name for name, _ in model.named_parameters()]
+    state = optimizer.state_dict()
+    return {names[index]: value for index, value in state["state"].items()}
+
+
+def _assert_same(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Bitwise equal model and optimizer state, equal parameter groups."""
+    torch.testing.assert_close(actual["model"], expected["model"], atol=0, rtol=0)
+    torch.testing.assert_close(actual["optimizer"]["state"], expected["optimizer"]["state"], atol=0, rtol=0)
+    assert actual["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"], "parameter groups differ"
+
+
+@contextmanager
+def _gpu_growth(device: torch.device) -> Iterator[list[int]]:
+    """Yield a list that holds, after the block, the peak growth of allocated GPU memory during it (0 on CPU)."""
+    growth = [0]
+    if device.type != "cuda":
+        yield growth
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    yield growth
+    torch.cuda.synchronize(device)
+    growth[0] = torch.cuda.max_memory_allocated(device) - before
+
+
+def _check(name: str, device: torch.device) -> str:
+    """Run one setup's checks; return a summary line, raise AssertionError on a failed check."""
+    shard, offloaded, _ = SETUPS[name]
+    torch.manual_seed(0)
+    twin = _Net().to(device)
+    model = shard(copy.deepcopy(twin).to("cpu" if offloaded else device), device)
+    twin_optimizer, optimizer = _adam(twin), _adam(model)
+    _train(twin, twin_optimizer, range(3), device)
+    _train(model, optimizer, range(3), device)
+    bound = max(p.numel() * p.element_size() for p in twin.parameters()) + MiB
+
+    with _gpu_growth(device) as save_growth:
+        saved = _gather(model, optimizer)
+    assert save_growth[0] < bound, f"the save allocated {save_growth[0] / MiB:.1f} MiB on the GPU (bound {bound / MiB})"
+    placed = [(type(t).__name__, t.device.type) for t in _tensors(saved)]
+    assert all(p == ("Tensor", "cpu") for p in placed), f"saved tensors are not all plain CPU tensors: {set(placed)}"
+    tolerance = {"atol": 1e-4, "rtol": 1e-3}
+    torch.testing.assert_close(saved["model"], {k: v.cpu() for k, v in twin.state_dict().items()}, **tolerance)
+    twin_state = _plain_optimizer_state(twin, twin_optimizer)
+    torch.testing.assert_close(saved["optimizer"]["state"], twin_state, **tolerance, check_device=False)
+
+    torch.manual_seed(1)
+    fresh = shard(_Net().to("cpu" if offloaded else device), device)
+    fresh_optimizer = _adam(fresh)
+    _load(fresh, fresh_optimizer, saved)
+    again = _gather(fresh, fresh_optimizer)
+    _assert_same(again, saved)
+    for param, state in fresh_optimizer.state.items():
+        home = param.to_local().device if isinstance(param, DTensor) else param.device
+        for key, value in state.items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            assert key == "step" or local.device == home, (
+                f"optimizer state {key} on {local.device}, parameter on {home}"
+            )
+    with _gpu_growth(device) as load_growth:
+        _load(fresh, fresh_optimizer, saved)
+    assert load_growth[0] < bound, f"loading allocated {load_growth[0] / MiB:.1f} MiB on the GPU (bound {bound / MiB})"
+
+    _train(model, optimizer, range(3, 5), device)
+    _train(fresh, fresh_optimizer, range(3, 5), device)
+    _assert_same(_gather(fresh, fresh_optimizer), _gather(model, optimizer))
+    return (
+        f"GPU growth: save {save_growth[0] / MiB:.1f} MiB, load {load_growth[0] / MiB:.1f} MiB "
+        f"(bound {bound / MiB:.0f} MiB, one unit {sum(p.numel() for p in _Block().parameters()) * 4 / MiB:.0f} MiB)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        print(
+            f"SKIPPED: no CUDA device with NCCL (torch {torch.__version__}, CUDA available: "
+            f"{torch.cuda.is_available()}, NCCL available: {dist.is_nccl_available()}); nothing was checked"
+        )
+        return 0
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    warnings.filterwarnings("ignore", message=".*switching to use `NO_SHARD`")  # FSDP1 on one rank
+    failures = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            print(f"torch {torch.__version__}, {backend}, device {device}")
+            for name, (_, _, needs_accelerator) in SETUPS.items():
+                if needs_accelerator and device.type != "cuda":
+                    print(f"{name:20} skipped: needs a GPU")
+                    continue
+                try:
+                    print(f"{name:20} ok    {_check(name, device)}")
+                except Exception:
+                    failures += 1
+                    print(f"{name:20} FAILED\n{traceback.format_exc()}")
+        finally:
+            dist.destroy_process_group()
+    print("all checks passed" if not failures else f"{failures} setup(s) failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
