@@ -129,7 +129,7 @@ def agree(payload: Any, *, what: str, timeout: float, stream: str = "main") -> l
             raise
         posted = [pickle.loads(raw) for raw in store.multi_get([f"{key}/p{r}" for r in range(world_size)])]
         _forget(store, f"{_PREFIX}{stream}/{number - 1}", rank)
-        _leave_together(store, key, world_size, timeout)
+        _leave_together(store, key, rank, world_size, timeout)
     except dist.DistError as error:  # the store itself is gone (DistNetworkError, DistStoreError)
         raise RankFailureError(
             f"Lost the process group's store during the {what} ({error}). The process hosting it (rank 0 under "
@@ -223,14 +223,15 @@ def _timeout_error(rank: int, missing: list[int], world_size: int, what: str, ti
     )
 
 
-def _leave_together(store: dist.Store, key: str, world_size: int, timeout: float) -> None:
-    """Return only once every rank has read the round.
+def _leave_together(store: dist.Store, key: str, rank: int, world_size: int, timeout: float) -> None:
+    """On rank 0, return only once every rank has read the round; other ranks return at once.
 
-    The store may live in one rank's process (a TCPStore started by rank 0, as ``idist.Parallel`` does): a
-    rank that finished its last round and exited would take the store away from a rank still reading.
-    The last rank to finish needs no further store access, and the others wait for it.
+    The store may live in rank 0's process: ``init_process_group`` starts its TCP store there for ``env://``
+    and ``tcp://`` (``idist.Parallel`` does so; torchrun keeps it in its agent instead). If rank 0 finished
+    its last round and exited, it would take the store away from a rank still reading it. A rank that has
+    counted itself done needs the store no more, so only rank 0 waits.
     """
-    if store.add(f"{key}/done", 1) >= world_size:
+    if store.add(f"{key}/done", 1) >= world_size or rank != 0:
         return
     deadline = time.monotonic() + timeout
     pause = 0.0005

@@ -631,11 +631,14 @@ class Pieces:
 
 def _choose_sources(
     manifests: list[tuple[list[Region], dict[tuple[Any, ...], Any], list[tuple[Any, ...]]]], root: int
-) -> tuple[list[tuple[Any, ...]], dict[tuple[Any, ...], list[tuple[int, int]]], list[list[int]]]:
+) -> tuple[
+    list[tuple[Any, ...]], dict[tuple[Any, ...], list[tuple[int, int]]], dict[tuple[Any, ...], Region], list[list[int]]
+]:
     """On the root: for every key, pieces that cover the full tensor exactly once, the root's own first.
 
-    Returns the key order, per key the chosen ``(rank, piece index)`` pairs, and per rank the indices of the
-    pieces it sends, in the order the root receives them.
+    Returns the key order, per key the chosen ``(rank, piece index)`` pairs (none for an empty tensor) and a
+    region describing the full tensor, and per rank the indices of the pieces it sends, in the order the root
+    receives them.
 
     Raises:
         RuntimeError: ranks disagree on a tensor, or its pieces overlap or leave gaps.
@@ -647,12 +650,13 @@ def _choose_sources(
             by_key.setdefault(region.key, []).append((r, i, region))
     order = list(dict.fromkeys(key for r in ranks for key in manifests[r][2]))
     chosen: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
+    regions: dict[tuple[Any, ...], Region] = {}
     sends: list[list[int]] = [[] for _ in manifests]
     for key in order:
         candidates = by_key.get(key)
         if not candidates:
             continue
-        first = candidates[0][2]
+        first = regions[key] = candidates[0][2]
         spans: list[tuple[int, int]] = []
         picked: list[tuple[int, int]] = []
         for r, i, region in candidates:
@@ -671,7 +675,7 @@ def _choose_sources(
         for r, i in chosen[key]:
             if r != root:
                 sends[r].append(i)
-    return order, chosen, sends
+    return order, chosen, regions, sends
 
 
 def _name(key: tuple[Any, ...]) -> str:
@@ -711,18 +715,15 @@ def gather_pieces(
         if peer != ranks.rank:
             manifests[peer] = pickle.loads(_recv_bytes(ranks.peer(peer), ranks.group, "its pieces"))
     try:
-        order, chosen, sends = _choose_sources(manifests, ranks.rank)
+        order, chosen, chosen_regions, sends = _choose_sources(manifests, ranks.rank)
     except RuntimeError as error:
         for peer in range(ranks.size):
             if peer != ranks.rank:
                 _send_error(f"rank {dst}: {error}", ranks.peer(peer), ranks.group)
         raise
-    full: dict[tuple[Any, ...], torch.Tensor] = {}
+    full = {key: torch.empty(region.shape, dtype=region.dtype) for key, region in chosen_regions.items()}
     receivers = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for key, picks in chosen.items():
-        region = manifests[picks[0][0]][0][picks[0][1]]
-        full[key] = torch.empty(region.shape, dtype=region.dtype)
     for peer in range(ranks.size):
         if peer == ranks.rank:
             continue

@@ -507,6 +507,8 @@ def _pieces_of(rank: int, world_size: int, full: dict[str, torch.Tensor]) -> Pie
     pieces.add(("columns",), full["columns"].shape, full["columns"][:, first : first + width], 1, first)
     # replicated on every rank (NO_SHARD, buffers, Adam's step): travels once, if at all
     pieces.add_whole(("replica",), full["replica"])
+    empty = full["empty"].reshape(-1)  # no elements at all: every rank holds an empty piece
+    pieces.add(("empty",), full["empty"].shape, empty, -1, 0)
     pieces.add_whole(("lr",), 0.5)
     pieces.add_alias(("tied",), ("flat",))
     if rank == world_size - 1:  # a key only one non-recipient holds
@@ -521,6 +523,7 @@ def _full() -> dict[str, torch.Tensor]:
         "columns": torch.randn(3, 11, generator=generator).bfloat16(),
         "replica": torch.arange(4),
         "only_last": torch.randn(2, 2, 2, generator=generator),
+        "empty": torch.empty(3, 0),
     }
 
 
@@ -531,7 +534,7 @@ def _test_gather_pieces(rank: int, world_size: int) -> None:
         if rank != dst:
             assert result is None
             continue
-        assert list(result) == [("flat",), ("columns",), ("replica",), ("lr",), ("tied",), ("only_last",)]
+        assert list(result) == [("flat",), ("columns",), ("replica",), ("empty",), ("lr",), ("tied",), ("only_last",)]
         for name, tensor in full.items():
             assert_same(result[(name,)], tensor)
         assert result[("tied",)] is result[("flat",)] and result[("lr",)] == 0.5
