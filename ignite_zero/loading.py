@@ -209,7 +209,10 @@ def _names_parameters(entry: Any) -> bool:
 
 
 def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:
-    """Refuse, before anything is loaded, a module whose entry would not load strictly."""
+    """Refuse, before anything is loaded, an entry that would not load."""
+    if isinstance(obj, ShardedState):
+        obj.check_entry(entry, **_module_kwargs(obj, kwargs))
+        return
     if not isinstance(obj, nn.Module) or not kwargs.get("strict", True):
         return
     if not isinstance(entry, Mapping):
@@ -232,7 +235,10 @@ def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:
 
 
 def _load_entry(obj: Any, entry: Any, kwargs: Mapping) -> None:
-    if isinstance(obj, nn.Module):
-        obj.load_state_dict(entry, **kwargs)
-    else:
-        obj.load_state_dict(entry)
+    obj.load_state_dict(entry, **_module_kwargs(obj, kwargs))
+
+
+def _module_kwargs(obj: Any, kwargs: Mapping) -> Mapping:
+    """``load_objects``' keyword arguments are for modules (``strict``), models behind adapters included."""
+    module = obj.obj if isinstance(obj, ShardedState) else obj
+    return kwargs if isinstance(module, nn.Module) else {}

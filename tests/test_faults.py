@@ -368,3 +368,24 @@ def test_checkpoint_of_a_different_model_loads_nothing(tmp_path, other, expected
     assert expected in str(info.value) and "Nothing was loaded" in str(info.value)
     assert_state_equal(model.state_dict(), before)
     assert optimizer.state_dict()["state"] == {}
+
+
+def _optimizer_of_another_model(rank, world_size, path):
+    model = DistributedDataParallel(tiny_model())
+    optimizer = zero_adam(model)
+    before = {k: v.clone() for k, v in model.module.state_dict().items()}
+    with pytest.raises(RankFailureError, match=r"parameter groups of \[4\] parameters, this ZeroRedundancyOptimizer"):
+        Checkpoint.load_objects({"model": model, "optimizer": optimizer}, path)
+    assert_state_equal(model.module.state_dict(), before)  # the model's entry fitted, yet nothing was loaded
+    assert optimizer.optim.state_dict()["state"] == {}
+
+
+@pytest.mark.distributed
+def test_an_unfit_optimizer_entry_loads_nothing_at_all(tmp_path):
+    other = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 1))
+    optimizer = torch.optim.Adam(other.parameters())
+    other(torch.randn(2, 7)).sum().backward()
+    optimizer.step()
+    state = {"model": tiny_model(seed=8).state_dict(), "optimizer": optimizer.state_dict()}
+    DiskSaver(tmp_path)(state, "mixed.pt")
+    run_ranks(_optimizer_of_another_model, 2, tmp_path / "mixed.pt")

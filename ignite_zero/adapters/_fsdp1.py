@@ -22,7 +22,7 @@ from ignite_zero import _compat
 from ignite_zero.adapters._fsdp_common import LoadPlan, ParamLayout, Slot, add_value, clean_name, whole_slot
 from ignite_zero.transport import Pieces
 
-__all__ = ["check", "load_model", "model_pieces", "param_layouts"]
+__all__ = ["check", "model_pieces", "param_layouts", "plan_model_load"]
 
 
 @dataclass
@@ -137,12 +137,12 @@ def model_pieces(module: nn.Module) -> Pieces:
     return pieces
 
 
-def load_model(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
-    """Copy this rank's part of a full model state into its shards, buffers and extra state; local.
+def plan_model_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> LoadPlan:
+    """How to copy this rank's part of a full model state into its shards, buffers and extra state; local.
 
-    Everything is checked before anything is copied.
+    The plan checks everything before it copies anything.
     """
-    plan = LoadPlan(type(module).__name__, state_dict)
+    plan = LoadPlan(type(module).__name__, state_dict, strict)
     for unit in _units(module):
         shard = _compat.fsdp1_local_shard(unit.flat)
         for entry in unit.entries:
@@ -161,7 +161,7 @@ def load_model(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -
             saved = plan.expect(prefix + "_extra_state", None)
             if saved is not None:
                 plan.call(m.set_extra_state, saved)
-    plan.run(strict)
+    return plan
 
 
 def param_layouts(module: nn.Module) -> dict[int, ParamLayout]:

@@ -20,7 +20,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ignite_zero.adapters._fsdp_common import LoadPlan, ParamLayout, Slot, add_value, clean_name, whole_slot
 from ignite_zero.transport import Pieces
 
-__all__ = ["check", "dtensor_like", "dtensor_slot", "load_model", "model_pieces", "param_layouts", "reshard"]
+__all__ = [
+    "check",
+    "dtensor_like",
+    "dtensor_slot",
+    "model_pieces",
+    "param_layouts",
+    "plan_model_load",
+    "reshard",
+]
 
 
 def reshard(module: nn.Module) -> None:
@@ -112,14 +120,14 @@ def model_pieces(module: nn.Module) -> Pieces:
     return pieces
 
 
-def load_model(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
-    """Copy this rank's part of a full model state into its shards; local, one tensor at a time.
+def plan_model_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> LoadPlan:
+    """How to copy this rank's part of a full model state into its shards; local, one tensor at a time.
 
     Each rank copies its rows into the local tensors of the DTensors ``state_dict()`` returns (views of the
     shards), then ``load_state_dict`` runs FSDP2's hooks, buffers and extra state on those same tensors
-    (copying a tensor onto itself allocates nothing). Everything is checked before anything is copied.
+    (copying a tensor onto itself allocates nothing). The plan checks everything before it copies anything.
     """
-    plan = LoadPlan(type(module).__name__, state_dict)
+    plan = LoadPlan(type(module).__name__, state_dict, strict)
     to_load: dict[str, Any] = {}
     for raw_name, current in module.state_dict().items():
         name = clean_name(raw_name)
@@ -132,7 +140,7 @@ def load_model(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -
             value = current
         to_load[raw_name] = value
     plan.call(lambda values: module.load_state_dict(values, strict=strict), to_load)
-    plan.run(strict)
+    return plan
 
 
 def param_layouts(module: nn.Module) -> dict[int, ParamLayout]:

@@ -117,11 +117,13 @@ class LoadPlan:
     Args:
         owner: the module's class name, for error messages.
         state_dict: the full state; only read.
+        strict: as for ``nn.Module.load_state_dict``: missing and unexpected names are errors.
     """
 
-    def __init__(self, owner: str, state_dict: Mapping[str, Any]) -> None:
+    def __init__(self, owner: str, state_dict: Mapping[str, Any], strict: bool) -> None:
         self._owner = owner
         self._state = state_dict
+        self._strict = strict
         self._expected: set[str] = set()
         self._missing: list[str] = []
         self._mismatched: list[str] = []
@@ -152,10 +154,10 @@ class LoadPlan:
         """Call ``func(value)`` when the plan runs."""
         self._actions.append(functools.partial(func, value))
 
-    def run(self, strict: bool) -> None:
-        """Raise ``RuntimeError`` if an entry does not fit (or, when ``strict``, is missing or unexpected); else act."""
+    def check(self) -> None:
+        """Raise ``RuntimeError`` if an entry does not fit (or, when strict, is missing or unexpected)."""
         errors = []
-        if strict:
+        if self._strict:
             unexpected = [name for name in self._state if name not in self._expected]
             if self._missing:
                 errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in self._missing) + ". ")
@@ -164,6 +166,10 @@ class LoadPlan:
         errors += self._mismatched
         if errors:
             raise RuntimeError(f"Error(s) in loading state_dict for {self._owner}:\n\t" + "\n\t".join(errors))
+
+    def run(self) -> None:
+        """:meth:`check`, then change the module."""
+        self.check()
         with torch.no_grad():
             for action in self._actions:
                 action()

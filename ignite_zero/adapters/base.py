@@ -60,6 +60,13 @@ class ShardedState(ABC):
                 f"choose a rank in [0, {world_size})"
             )
 
+    def check_entry(self, state_dict: Mapping[str, Any]) -> None:
+        """Raise, changing nothing, if ``load_state_dict(state_dict)`` would refuse it.
+
+        Loading checks every object's entry first, so that an unfit entry loads nothing at all.
+        """
+        return None  # nothing to check ahead by default: load_state_dict's own checks apply
+
     def part_needed(self) -> Part | None:
         """What this rank needs of its entry when another rank reads the checkpoint for it (a file in a
         directory this rank cannot see); ``None``: all of it."""

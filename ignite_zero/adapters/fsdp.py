@@ -211,7 +211,11 @@ class FSDPModelState(_FSDPState):
         Raises:
             RuntimeError: as ``nn.Module.load_state_dict`` raises, before anything is changed.
         """
-        _kind(self.module).load_model(self.module, state_dict, strict)
+        _kind(self.module).plan_model_load(self.module, state_dict, strict).run()
+
+    def check_entry(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Raise as :meth:`load_state_dict` would, changing nothing."""
+        _kind(self.module).plan_model_load(self.module, state_dict, strict).check()
 
 
 class FSDPOptimizerState(_FSDPState):
@@ -294,6 +298,10 @@ class FSDPOptimizerState(_FSDPState):
                 optimizer's, or its state does not fit the parameters; nothing is changed then.
         """
         self.obj.load_state_dict(_local_optimizer_state(_param_layouts(self.module), self.obj, state_dict, reuse=True))
+
+    def check_entry(self, state_dict: Mapping[str, Any]) -> None:
+        """Raise as :meth:`load_state_dict` would, changing nothing."""
+        _check_optimizer_state(_param_layouts(self.module), self.obj, state_dict)
 
 
 def full_optimizer_state_to_plain(
@@ -423,6 +431,24 @@ def _saved_entries(layout: ParamLayout, saved_state: Mapping[str, Any]) -> list[
     return entries
 
 
+def _check_optimizer_state(
+    layouts: dict[int, ParamLayout], optimizer: torch.optim.Optimizer, full_state: Mapping[str, Any]
+) -> tuple[list[torch.Tensor], list[int], list[list[Mapping[str, Any] | None]]]:
+    """Check a full, name-keyed state against ``optimizer``; return its parameters, the saved group of each of
+    its groups, and the saved state of each parameter's original parameters.
+
+    Raises:
+        ValueError: the state does not fit the optimizer.
+    """
+    _check_full_state(full_state)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = [p for p in params if id(p) not in layouts]
+    if missing:
+        raise ValueError(f"{len(missing)} parameters of the optimizer do not belong to the module")
+    sources = _match_groups(layouts, optimizer, full_state["param_groups"])
+    return params, sources, [_saved_entries(layouts[id(p)], full_state["state"]) for p in params]
+
+
 def _local_optimizer_state(
     layouts: dict[int, ParamLayout], optimizer: torch.optim.Optimizer, full_state: Mapping[str, Any], reuse: bool
 ) -> dict[str, Any]:
@@ -432,14 +458,8 @@ def _local_optimizer_state(
     copy of the state while loading); otherwise, and for the rest, into new tensors. Nothing aliases
     ``full_state``, so the optimizer never writes into it (an ``mmap``'d file stays as it was).
     """
-    _check_full_state(full_state)
+    params, sources, entries = _check_optimizer_state(layouts, optimizer, full_state)
     saved_groups = full_state["param_groups"]
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    missing = [p for p in params if id(p) not in layouts]
-    if missing:
-        raise ValueError(f"{len(missing)} parameters of the optimizer do not belong to the module")
-    sources = _match_groups(layouts, optimizer, saved_groups)
-    entries = [_saved_entries(layouts[id(p)], full_state["state"]) for p in params]
 
     state = {}
     with torch.no_grad():

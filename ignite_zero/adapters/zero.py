@@ -201,12 +201,25 @@ class ZeROState(ShardedState):
         everything = [p for group in self.obj.param_groups for p in group["params"]]
         return OptimizerStatePart(tuple(index for index, p in enumerate(everything) if id(p) in owned))
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def check_entry(self, state_dict: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` unless ``state_dict`` is a global optimizer state of this optimizer's shape."""
+        name = type(self.obj).__name__
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= state_dict.keys():
+            keys = sorted(state_dict)[:10] if isinstance(state_dict, Mapping) else "-"
             raise ValueError(
-                f"Expected an optimizer state dict with keys 'state' and 'param_groups' for this "
-                f"{type(self.obj).__name__}, got {type(state_dict).__name__} with keys {sorted(state_dict)[:10]}"
+                f"Expected an optimizer state dict with keys 'state' and 'param_groups' for this {name}, got "
+                f"{type(state_dict).__name__} with keys {keys}"
             )
+        saved = [len(group["params"]) for group in state_dict["param_groups"]]
+        own = [len(group["params"]) for group in self.obj.param_groups]
+        if saved != own:
+            raise ValueError(
+                f"The saved optimizer state has parameter groups of {saved} parameters, this {name} of {own}: build "
+                "the optimizer over the same parameters, in the same groups, as the one that was saved"
+            )
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.check_entry(state_dict)
         self.obj.load_state_dict(copy_structure(state_dict))
 
 
