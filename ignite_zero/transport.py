@@ -72,22 +72,26 @@ _MIN_AUTO_CHUNK_BYTES = 2**20
 # aligned for every dtype (complex128 included).
 _ALIGN = 16
 
-# Dedicated gloo groups, keyed by the group they stand for; dropped when the default group changes.
+# Dedicated gloo groups, keyed by the group they stand for (and whether they are kept apart from it even under
+# gloo); dropped when the default group changes.
 _gloo_groups: dict[Any, ProcessGroup] = {}
 _gloo_groups_owner: list[Any] = [None]
 
 
-def cpu_group(group: ProcessGroup | None = None, timeout: timedelta | None = None) -> ProcessGroup:
+def cpu_group(
+    group: ProcessGroup | None = None, timeout: timedelta | None = None, *, dedicated: bool = False
+) -> ProcessGroup:
     """A process group over the ranks of ``group`` (default: all) that moves CPU tensors through gloo.
 
-    That is ``group`` itself when its backend for CPU tensors is gloo (``"gloo"``, ``"cpu:gloo,cuda:nccl"``);
-    otherwise a dedicated gloo group over the same ranks, created on the first call and cached, so that
-    NCCL jobs never allocate device memory to move host data, and checkpoint traffic never interleaves
-    with training collectives.
+    That is ``group`` itself when its backend for CPU tensors is gloo (``"gloo"``, ``"cpu:gloo,cuda:nccl"``)
+    and ``dedicated`` is false; otherwise a dedicated gloo group over the same ranks, created on the first
+    call and cached, so that NCCL jobs never allocate device memory to move host data.
 
     Args:
         group: the group to stand in for; ``None`` for the default group.
         timeout: timeout of a dedicated group's operations; ``None`` keeps torch's default.
+        dedicated: a group of its own even under gloo, for traffic that runs beside training collectives
+            (an asynchronous save): messages of two threads on one group could interleave.
 
     .. warning::
         Creating the dedicated group is a collective among the ranks of ``group``: they must all make
@@ -97,16 +101,17 @@ def cpu_group(group: ProcessGroup | None = None, timeout: timedelta | None = Non
     if default is None:
         raise RuntimeError("`cpu_group` needs an initialized default process group")
     group = default if group is None else group
-    if _cpu_backend(group) == "gloo":
+    if _cpu_backend(group) == "gloo" and not dedicated:
         return group
     if _gloo_groups_owner[0] is not default:
         _gloo_groups.clear()
         _gloo_groups_owner[0] = default
-    if group not in _gloo_groups:
+    key = (group, dedicated)
+    if key not in _gloo_groups:
         ranks = dist.get_process_group_ranks(group)
         options: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        _gloo_groups[group] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True, **options)
-    return _gloo_groups[group]
+        _gloo_groups[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True, **options)
+    return _gloo_groups[key]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -72,9 +72,35 @@ class ShardedState(ABC):
         directory this rank cannot see); ``None``: all of it."""
         return None
 
-    @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """Collective: the full state on the recipient, ``{}`` on every other rank."""
+        return self.assemble(self.snapshot(), self.gather_group())
+
+    @abstractmethod
+    def snapshot(self) -> Any:
+        """This rank's contribution to the full state, as views of the live state; nothing is copied.
+
+        An asynchronous save stages a copy of it (:class:`ignite_zero.staging.Stager`), then assembles the copy
+        in the background while training changes the live state.
+        """
+
+    @abstractmethod
+    def assemble(self, snapshot: Any, group: Any) -> dict[str, Any]:
+        """Collective over ``group``: the full state on the recipient from every rank's snapshot, ``{}`` elsewhere."""
+
+    def gather_group(self, dedicated: bool = False) -> Any:
+        """The gloo group snapshots travel over: that of every rank, or ``None`` without a process group.
+
+        Args:
+            dedicated: a group of its own, kept apart from training collectives (see
+                :func:`ignite_zero.transport.cpu_group`). Create it on every rank at the same point, before use
+                from another thread.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        from ignite_zero import transport
+
+        return transport.cpu_group(dedicated=dedicated)
 
     @abstractmethod
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

@@ -24,7 +24,6 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FlatParameter, FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
@@ -132,11 +131,6 @@ def _param_layouts(module: nn.Module) -> dict[int, ParamLayout]:
     return {id(p): ParamLayout(p, tuple(p.shape), [whole_slot(clean_name(n), p)]) for n, p in module.named_parameters()}
 
 
-def _gather_group() -> Any:
-    """Where pieces travel: the whole world over gloo (a dedicated group under NCCL), or no group at all."""
-    return transport.cpu_group() if dist.is_available() and dist.is_initialized() else None
-
-
 class _FSDPState(ShardedState):
     """What the model and optimizer adapters share: the module, its kind, and the checks."""
 
@@ -193,12 +187,15 @@ class FSDPModelState(_FSDPState):
     def __init__(self, module: nn.Module, recipient_rank: int = 0) -> None:
         super().__init__(module, module, recipient_rank)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Collective: the full model state on the recipient, ``{}`` on every other rank."""
+    def snapshot(self) -> transport.Pieces:
+        """This rank's shards, buffers and extra state, as pieces of the full tensors (views)."""
         with torch.no_grad():
-            pieces = _kind(self.module).model_pieces(self.module)
-            full = transport.gather_pieces(pieces, self.recipient_rank, _gather_group())
-        # Every tensor was allocated by the gather: a snapshot, never a view of live parameters.
+            return _kind(self.module).model_pieces(self.module)
+
+    def assemble(self, snapshot: transport.Pieces, group: Any) -> dict[str, Any]:
+        """Collective over ``group``: the full model state on the recipient, ``{}`` on every other rank."""
+        full = transport.gather_pieces(snapshot, self.recipient_rank, group)
+        # Every tensor was allocated by the gather: never a view of live parameters.
         return {} if full is None else {key[0]: value for key, value in full.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
@@ -264,8 +261,9 @@ class FSDPOptimizerState(_FSDPState):
                 "it is paired with: build the optimizer on that module's parameters, after sharding it"
             )
 
-    def state_dict(self) -> dict[str, Any]:
-        """Collective: the full optimizer state on the recipient, ``{}`` on every other rank."""
+    def snapshot(self) -> tuple[transport.Pieces, list[dict[str, Any]]]:
+        """This rank's part of the optimizer state as pieces of the full tensors (views), and the parameter groups
+        by name."""
         layouts = _param_layouts(self.module)
         with torch.no_grad():
             pieces = transport.Pieces()
@@ -281,7 +279,12 @@ class FSDPOptimizerState(_FSDPState):
                         for slot in layout.slots:
                             _add_state(pieces, ("state", slot.name, key), layout, slot, value)
                 groups.append({**_hyperparameters(group), "params": names})
-            full = transport.gather_pieces(pieces, self.recipient_rank, _gather_group())
+        return pieces, groups
+
+    def assemble(self, snapshot: tuple[transport.Pieces, list[dict[str, Any]]], group: Any) -> dict[str, Any]:
+        """Collective over ``group``: the full optimizer state on the recipient, ``{}`` on every other rank."""
+        pieces, groups = snapshot
+        full = transport.gather_pieces(pieces, self.recipient_rank, group)
         if full is None:
             return {}
         state: dict[str, dict[str, Any]] = {}

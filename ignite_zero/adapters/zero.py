@@ -153,18 +153,16 @@ class ZeROState(ShardedState):
                 "one of these ranks."
             )
 
-    def state_dict(self) -> dict[str, Any]:
-        if not _knows_its_partition(self.obj):  # an optimizer of unknown layout consolidates itself
-            consolidate(self.obj, self.recipient_rank)
-            return _to_cpu(self.obj.state_dict()) if self.is_recipient else {}
-        return self.assemble(self.snapshot())
-
     def snapshot(self) -> dict[str, Any]:
         """This rank's part of the state, keyed by global parameter index: views of the live tensors.
 
         ``{"state": {index: {...}}, "param_groups": [...]}`` as in the optimizer's own global state dict;
-        ``param_groups`` hold the hyperparameters of the exposed groups (those a scheduler changes).
+        ``param_groups`` hold the hyperparameters of the exposed groups (those a scheduler changes). An optimizer
+        of unknown layout consolidates itself instead, now: its snapshot is the full state on the recipient.
         """
+        if not _knows_its_partition(self.obj):
+            consolidate(self.obj, self.recipient_rank)
+            return {"full": _to_cpu(self.obj.state_dict()) if self.is_recipient else {}}
         everything = [p for group in self.obj.param_groups for p in group["params"]]
         index_of = {id(p): index for index, p in enumerate(everything)}
         local = self.obj.optim.state_dict()  # keyed by the local optimizer's own parameter order
@@ -178,19 +176,27 @@ class ZeROState(ShardedState):
             start += count
         return {"state": state, "param_groups": groups}
 
-    def assemble(self, snapshot: dict[str, Any]) -> dict[str, Any]:
-        """Collective: every rank's snapshot to the recipient, merged there; ``{}`` elsewhere.
+    def assemble(self, snapshot: dict[str, Any], group: Any) -> dict[str, Any]:
+        """Collective over ``group``: every rank's snapshot to the recipient, merged there; ``{}`` elsewhere.
 
         The merge is the one ``ZeroRedundancyOptimizer.state_dict()`` and fairscale's ``OSS.state_dict()`` make
         after their consolidation: the state of every parameter by global index, sorted, and the exposed param
         groups. The shards travel through :func:`ignite_zero.transport.gather_to`, once, to the recipient only.
         """
-        group = transport.cpu_group(process_group_of(self.obj))
+        if "full" in snapshot:  # consolidated by the optimizer itself
+            return snapshot["full"]
         snapshots = transport.gather_to(snapshot, self.recipient_rank, group)
         if snapshots is None:
             return {}
         state = {index: value for part in snapshots for index, value in part["state"].items()}
         return {"state": dict(sorted(state.items())), "param_groups": snapshot["param_groups"]}
+
+    def gather_group(self, dedicated: bool = False) -> Any:
+        """The gloo group over the ranks of the optimizer's own process group (none for one that consolidates
+        itself)."""
+        if not _knows_its_partition(self.obj):
+            return None
+        return transport.cpu_group(process_group_of(self.obj), dedicated=dedicated)
 
     def part_needed(self) -> OptimizerStatePart | None:
         """The state of the parameters this rank owns: each rank loads only its partition."""
