@@ -145,7 +145,9 @@ def agree(payload: Any, *, what: str, timeout: float, stream: str = "main") -> l
     return [value for _, value in posted]
 
 
-def settle(failure: BaseException | None, *, what: str, timeout: float, payload: Any = None) -> list[Any]:
+def settle(
+    failure: BaseException | None, *, what: str, timeout: float, payload: Any = None, stream: str = "main"
+) -> list[Any]:
     """A round of :func:`agree` that also shares whether each rank failed; return all payloads in rank order.
 
     Args:
@@ -153,6 +155,7 @@ def settle(failure: BaseException | None, *, what: str, timeout: float, payload:
         what: the operation, for messages.
         timeout: as for :func:`agree`.
         payload: as for :func:`agree`.
+        stream: as for :func:`agree`.
 
     Raises:
         RankFailureError: on every rank, if any rank failed; it lists each failed rank's error, and chains
@@ -162,7 +165,7 @@ def settle(failure: BaseException | None, *, what: str, timeout: float, payload:
         raise failure
     own = None if failure is None else f"{type(failure).__name__}: {failure}"
     try:
-        posted = agree((own, payload), what=what, timeout=timeout)
+        posted = agree((own, payload), what=what, timeout=timeout, stream=stream)
     except CollectiveTimeoutError as timeout_error:
         # e.g. a peer died in the middle of the operation: how it showed on the ranks that arrived
         reports = [f"rank {r}: {text}" for r, (text, _) in sorted(timeout_error.posted.items()) if text is not None]

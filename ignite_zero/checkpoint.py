@@ -9,12 +9,15 @@ outcome, so that an error on one rank is an error on all of them instead of a ha
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import numbers
+import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +30,14 @@ from ignite_zero.adapters import ShardedState, adapt, map_objects
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, busy, rank_and_world, settle
 from ignite_zero.loading import restore
 from ignite_zero.savers import DiskSaver, check_filename
+from ignite_zero.staging import Stager
 
 __all__ = ["Checkpoint", "ModelCheckpoint"]
 
 logger = logging.getLogger(__name__)
+
+
+_async_streams = itertools.count()  # a stream of agreement rounds per asynchronous handler, numbered alike on all ranks
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,16 @@ class _SavePlan:
     name: str
     saved: tuple[tuple[int | float, str], ...]  # the retained (priority, filename) pairs after this save
     removed: tuple[str, ...]  # files to remove once the new one is durable
+
+
+@dataclass
+class _PendingSave:
+    """An asynchronous save under way: its plan, its thread, and its error once it failed."""
+
+    engine: Engine
+    plan: _SavePlan
+    thread: threading.Thread = field(init=False)
+    error: BaseException | None = None
 
 
 class Checkpoint(ignite_checkpoint.Checkpoint):
@@ -84,6 +101,13 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             ``save_on_rank``, else the rank of a ``DiskSaver`` given as ``save_handler``, else 0. Ranks given
             in two places must be equal.
         sync_timeout: seconds every rank waits for the others to reach the same save (default 120).
+        async_save: save in the background. The training loop waits only while each rank copies its part of
+            the state into host buffers kept for the next save (pinned for CUDA tensors; see
+            :mod:`ignite_zero.staging` for their memory); gathering and writing go on in a thread, over a gloo
+            group of their own. The next save waits for the previous one, and so do the end of the run and an
+            exception in it; an error of a background save is raised there, on every rank, or by :meth:`wait`.
+            ``last_checkpoint`` and ``SAVED_CHECKPOINT`` follow once the file is durable. Create asynchronous
+            handlers in the same order on every rank.
 
     Examples:
         .. code-block:: python
@@ -120,6 +144,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         *,
         consolidate_recipient_rank: int | None = None,
         sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
+        async_save: bool = False,
     ) -> None:
         if isinstance(to_save, Mapping):
             _check_objects(to_save, "state_dict")
@@ -148,6 +173,11 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         self.consolidate_recipient_rank = recipient
         self.sync_timeout = float(sync_timeout)
         self._saver_takes_metadata = _takes_metadata(self.save_handler)
+        self.async_save = async_save
+        self._pending: _PendingSave | None = None
+        self._followed: weakref.WeakSet[Engine] = weakref.WeakSet()
+        self._stager = Stager()
+        self._stream = f"async{next(_async_streams)}" if async_save else "main"
 
     @property
     def last_checkpoint(self) -> str | Path | None:
@@ -159,16 +189,45 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
     def __call__(self, engine: Engine, *args: Any, **kwargs: Any) -> None:
         if not engine.has_registered_events(CheckpointEvents.SAVED_CHECKPOINT):
             engine.register_events(*CheckpointEvents)
-        rank, world_size = rank_and_world()
+        if self.async_save and engine not in self._followed:
+            engine.add_event_handler(Events.COMPLETED, lambda _: self.wait())
+            engine.add_event_handler(Events.EXCEPTION_RAISED, self._wait_then_raise)
+            self._followed.add(engine)
+        self.wait()
         objects = adapt(self.to_save, self.consolidate_recipient_rank)
-        layout = _layout(objects)
+        plan = self._agree(engine, objects)
+        if plan is None:
+            return
+        if self.async_save:
+            self._start(engine, objects, plan)
+        else:
+            self._save_now(engine, objects, plan)
+
+    def wait(self) -> None:
+        """Block until the asynchronous save in progress, if any, is durable; raise its error if it failed.
+
+        Every rank raises the same error. The next save, the end of the run (``Events.COMPLETED``) and an
+        exception in the run wait too; ``last_checkpoint`` names the new file, and ``SAVED_CHECKPOINT`` fires,
+        once it is durable.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.thread.join()
+        if pending.error is not None:
+            raise pending.error
+        self._finish(pending.engine, pending.plan)
+
+    def _agree(self, engine: Engine, objects: Any) -> _SavePlan | None:
+        """Every rank's plan to the others; the recipient's is the one followed."""
+        rank, _ = rank_and_world()
         plan, failure = None, None
         try:
             plan = self._plan(engine)
             map_objects(objects, lambda _, obj: obj.check() if isinstance(obj, ShardedState) else None)
         except Exception as error:
             failure = error
-        proposals = settle(failure, what="checkpoint save", timeout=self.sync_timeout, payload=(plan, layout))
+        proposals = settle(failure, what="checkpoint save", timeout=self.sync_timeout, payload=(plan, _layout(objects)))
         _check_layouts([proposed_layout for _, proposed_layout in proposals])
         agreed: _SavePlan | None = proposals[self.consolidate_recipient_rank][0]
         if plan != agreed:
@@ -180,29 +239,89 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                 self.consolidate_recipient_rank,
                 _summary(agreed),
             )
-        if agreed is None:
-            return
+        return agreed
 
+    def _save_now(self, engine: Engine, objects: Any, plan: _SavePlan) -> None:
         failure = None
         with busy(interval=min(1.0, self.sync_timeout / 4)):
             try:
-                started = time.perf_counter()
-                checkpoint = map_objects(objects, lambda _, obj: obj.state_dict())
-                gathered = time.perf_counter()
-                if rank == self.consolidate_recipient_rank:
-                    self._write(checkpoint, agreed)
-                    logger.info(
-                        "Checkpoint %s: state gathered in %.2f s, written in %.2f s",
-                        agreed.filename,
-                        gathered - started,
-                        time.perf_counter() - gathered,
-                    )
+                self._gather_and_write(objects, plan, lambda _, obj: obj.state_dict())
             except Exception as error:
                 failure = error
-        settle(failure, what=f"checkpoint save of {agreed.filename}", timeout=self.sync_timeout)
+        settle(failure, what=f"checkpoint save of {plan.filename}", timeout=self.sync_timeout)
+        self._finish(engine, plan)
 
-        self._saved = [ignite_checkpoint.Checkpoint.Item(p, f) for p, f in agreed.saved]
+    def _start(self, engine: Engine, objects: Any, plan: _SavePlan) -> None:
+        """Stage this rank's part of the state, then gather and write it in a thread of its own."""
+        is_recipient = rank_and_world()[0] == self.consolidate_recipient_rank
+        staged: dict[str, Any] = {}
+        groups: dict[str, Any] = {}
+
+        def stage(path: str, obj: Any) -> None:
+            if isinstance(obj, ShardedState):
+                groups[path] = obj.gather_group(dedicated=True)  # a collective the first time: in this thread
+                staged[path] = self._stager.stage(obj.snapshot(), path)
+            elif is_recipient:  # plain objects: only the recipient writes them
+                staged[path] = self._stager.stage(obj.state_dict(), path)
+
+        failure = None
+        started = time.perf_counter()
+        try:
+            map_objects(objects, stage)
+        except Exception as error:
+            failure = error
+        settle(failure, what=f"checkpoint staging of {plan.filename}", timeout=self.sync_timeout)
+        logger.debug("Checkpoint %s staged in %.3f s", plan.filename, time.perf_counter() - started)
+
+        def assemble(path: str, obj: Any) -> Any:
+            return obj.assemble(staged[path], groups[path]) if isinstance(obj, ShardedState) else staged.get(path)
+
+        pending = _PendingSave(engine, plan)
+        pending.thread = threading.Thread(
+            target=self._write_in_background, args=(pending, objects, assemble), name="ignite_zero-save"
+        )
+        self._pending = pending
+        pending.thread.start()
+
+    def _write_in_background(self, pending: _PendingSave, objects: Any, assemble: Callable[[str, Any], Any]) -> None:
+        failure = None
+        with busy(interval=min(1.0, self.sync_timeout / 4)):
+            try:
+                self._gather_and_write(objects, pending.plan, assemble)
+            except Exception as error:
+                failure = error
+        try:
+            what = f"checkpoint save of {pending.plan.filename}"
+            settle(failure, what=what, timeout=self.sync_timeout, stream=self._stream)
+        except Exception as error:  # raised by wait(), in the training thread
+            logger.error("Asynchronous save of %s failed: %s", pending.plan.filename, error)
+            pending.error = error
+
+    def _gather_and_write(self, objects: Any, plan: _SavePlan, state_of: Callable[[str, Any], Any]) -> None:
+        """Collective: every object's full state (``state_of(path, obj)``) to the recipient, which writes it."""
+        started = time.perf_counter()
+        checkpoint = map_objects(objects, state_of)
+        gathered = time.perf_counter()
+        if rank_and_world()[0] == self.consolidate_recipient_rank:
+            self._write(checkpoint, plan)
+            logger.info(
+                "Checkpoint %s: state gathered in %.2f s, written in %.2f s",
+                plan.filename,
+                gathered - started,
+                time.perf_counter() - gathered,
+            )
+
+    def _finish(self, engine: Engine, plan: _SavePlan) -> None:
+        self._saved = [ignite_checkpoint.Checkpoint.Item(p, f) for p, f in plan.saved]
         engine.fire_event(CheckpointEvents.SAVED_CHECKPOINT)
+
+    def _wait_then_raise(self, engine: Engine, error: BaseException) -> None:
+        """On an exception in the run: let a pending save finish (or report its failure), then raise as ignite does."""
+        try:
+            self.wait()
+        except Exception as failure:
+            logger.error("The run raised %r while an asynchronous save was pending, which failed: %s", error, failure)
+        raise error
 
     def _plan(self, engine: Engine) -> _SavePlan | None:
         """This rank's view of what to save now; ``None`` when the score does not earn a place."""
@@ -284,6 +403,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         Unlike ignite's, it consolidates nothing to work out the file name, and it runs this class's
         :meth:`load_objects`, so sharded objects are restored on any world size. Call it on every rank.
         """
+        self.wait()
         dirname = getattr(self.save_handler, "dirname", None)
         if dirname is None:
             raise AttributeError(
@@ -359,6 +479,7 @@ class ModelCheckpoint(Checkpoint):
         save_on_rank: ignite's name for the writing rank.
         consolidate_recipient_rank: rank that receives the consolidated state and writes it.
         sync_timeout: seconds every rank waits for the others to reach the same save.
+        async_save: save in the background (see :class:`Checkpoint`).
         kwargs: keyword arguments of :func:`torch.save`.
 
     Examples:
@@ -390,6 +511,7 @@ class ModelCheckpoint(Checkpoint):
         *,
         consolidate_recipient_rank: int | None = None,
         sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
+        async_save: bool = False,
         **kwargs: Any,
     ) -> None:
         recipient = _resolve_recipient(consolidate_recipient_rank, save_on_rank, None)
@@ -409,6 +531,7 @@ class ModelCheckpoint(Checkpoint):
             greater_or_equal=greater_or_equal,
             consolidate_recipient_rank=recipient,
             sync_timeout=sync_timeout,
+            async_save=async_save,
         )
 
     def __call__(self, engine: Engine, to_save: Mapping) -> None:  # type: ignore[override]

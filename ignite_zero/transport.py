@@ -50,10 +50,12 @@ __all__ = [
     "cpu_group",
     "gather_pieces",
     "gather_to",
+    "join_tensors",
     "receive_from",
     "scatter_from",
     "send_failure",
     "send_to",
+    "split_tensors",
 ]
 
 #: Largest message and staging buffer. Gathering 400 MB over gloo/TCP on a 2-core host took 0.37 s with
@@ -383,6 +385,16 @@ def _split(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
     extractor = _TensorExtractor(buffer)
     extractor.dump(obj)
     return buffer.getvalue(), extractor.tensors
+
+
+def split_tensors(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """``obj``'s structure, pickled without its tensors, and its tensors (each distinct tensor once)."""
+    return _split(obj)
+
+
+def join_tensors(structure: bytes, tensors: list[torch.Tensor]) -> Any:
+    """The object :func:`split_tensors` took apart, with ``tensors`` in place of its own."""
+    return _TensorInjector(structure, tensors).load()
 
 
 def _to_cpu(obj: Any) -> Any:
