@@ -5,7 +5,7 @@ from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, CollectiveTimeoutError, 
 from ignite_zero.checkpoint import Checkpoint, ModelCheckpoint
 from ignite_zero.handlers import ConsolidateZeROHandler
 from ignite_zero.integrity import IntegrityError, verify_file
-from ignite_zero.savers import DiskSaver
+from ignite_zero.savers import DiskSaver, ShardedSaver
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",
@@ -16,6 +16,7 @@ __all__ = [
     "IntegrityError",
     "ModelCheckpoint",
     "RankFailureError",
+    "ShardedSaver",
     "ShardedState",
     "ZeROState",
     "__version__",

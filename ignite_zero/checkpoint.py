@@ -21,15 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from ignite.engine import Engine, Events
 from ignite.handlers import checkpoint as ignite_checkpoint
 from ignite.handlers.checkpoint import BaseSaveHandler
 
+from ignite_zero import transport
 from ignite_zero._compat import CheckpointEvents
 from ignite_zero.adapters import ShardedState, adapt, map_objects
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, busy, rank_and_world, settle
 from ignite_zero.loading import restore
-from ignite_zero.savers import DiskSaver, check_filename
+from ignite_zero.savers import DiskSaver, ShardedSaver, check_filename
 from ignite_zero.staging import Stager
 
 __all__ = ["Checkpoint", "ModelCheckpoint"]
@@ -151,7 +153,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         recipient = _resolve_recipient(consolidate_recipient_rank, save_on_rank, save_handler)
         if isinstance(save_handler, (str, Path)):
             save_handler = DiskSaver(save_handler, create_dir=True, save_on_rank=recipient)
-        elif isinstance(save_handler, DiskSaver):
+        elif isinstance(save_handler, (DiskSaver, ShardedSaver)):
             save_handler.bind(recipient)
         if filename_prefix:
             check_filename(filename_prefix)
@@ -173,6 +175,8 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         self.consolidate_recipient_rank = recipient
         self.sync_timeout = float(sync_timeout)
         self._saver_takes_metadata = _takes_metadata(self.save_handler)
+        self.ext = getattr(self.save_handler, "ext", self.ext)
+        self._sharded = isinstance(self.save_handler, ShardedSaver)
         self.async_save = async_save
         self._pending: _PendingSave | None = None
         self._followed: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -245,14 +249,38 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         failure = None
         with busy(interval=min(1.0, self.sync_timeout / 4)):
             try:
-                self._gather_and_write(objects, plan, lambda _, obj: obj.state_dict())
+                if self._sharded:
+                    state = self._sharded_state(objects, plan)
+                    group = _dcp_group(dedicated=False)
+                    self.save_handler.save(state, plan.filename, group=group, timeout=self.sync_timeout)
+                    self._remove_displaced(plan)
+                else:
+                    self._gather_and_write(objects, plan, lambda _, obj: obj.state_dict())
             except Exception as error:
                 failure = error
         settle(failure, what=f"checkpoint save of {plan.filename}", timeout=self.sync_timeout)
         self._finish(engine, plan)
 
     def _start(self, engine: Engine, objects: Any, plan: _SavePlan) -> None:
-        """Stage this rank's part of the state, then gather and write it in a thread of its own."""
+        """Stage this rank's part of the state, then write it from a thread of its own."""
+        failure, work = None, None
+        started = time.perf_counter()
+        try:
+            work = self._stage_sharded(objects, plan) if self._sharded else self._stage_consolidated(objects, plan)
+        except Exception as error:
+            failure = error
+        settle(failure, what=f"checkpoint staging of {plan.filename}", timeout=self.sync_timeout)
+        logger.debug("Checkpoint %s staged in %.3f s", plan.filename, time.perf_counter() - started)
+        pending = _PendingSave(engine, plan)
+        pending.thread = threading.Thread(
+            target=self._write_in_background, args=(pending, work), name="ignite_zero-save"
+        )
+        self._pending = pending
+        pending.thread.start()
+
+    def _stage_consolidated(self, objects: Any, plan: _SavePlan) -> Callable[[], None]:
+        """Copy each sharded object's snapshot (and, on the recipient, every plain object's state); return the
+        work that gathers the copies and writes them."""
         is_recipient = rank_and_world()[0] == self.consolidate_recipient_rank
         staged: dict[str, Any] = {}
         groups: dict[str, Any] = {}
@@ -264,30 +292,33 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             elif is_recipient:  # plain objects: only the recipient writes them
                 staged[path] = self._stager.stage(obj.state_dict(), path)
 
-        failure = None
-        started = time.perf_counter()
-        try:
-            map_objects(objects, stage)
-        except Exception as error:
-            failure = error
-        settle(failure, what=f"checkpoint staging of {plan.filename}", timeout=self.sync_timeout)
-        logger.debug("Checkpoint %s staged in %.3f s", plan.filename, time.perf_counter() - started)
+        map_objects(objects, stage)
 
         def assemble(path: str, obj: Any) -> Any:
             return obj.assemble(staged[path], groups[path]) if isinstance(obj, ShardedState) else staged.get(path)
 
-        pending = _PendingSave(engine, plan)
-        pending.thread = threading.Thread(
-            target=self._write_in_background, args=(pending, objects, assemble), name="ignite_zero-save"
-        )
-        self._pending = pending
-        pending.thread.start()
+        return lambda: self._gather_and_write(objects, plan, assemble)
 
-    def _write_in_background(self, pending: _PendingSave, objects: Any, assemble: Callable[[str, Any], Any]) -> None:
+    def _stage_sharded(self, objects: Any, plan: _SavePlan) -> Callable[[], None]:
+        """Let DCP copy this rank's part into host memory it keeps for the next save; return the work that waits
+        for DCP's write and seals the directory."""
+        state = self._sharded_state(objects, plan)
+        group = _dcp_group(dedicated=True)
+        finish = self.save_handler.save_async(
+            state, plan.filename, group=group, timeout=self.sync_timeout, stream=self._stream
+        )
+
+        def work() -> None:
+            finish()
+            self._remove_displaced(plan)
+
+        return work
+
+    def _write_in_background(self, pending: _PendingSave, work: Callable[[], None]) -> None:
         failure = None
         with busy(interval=min(1.0, self.sync_timeout / 4)):
             try:
-                self._gather_and_write(objects, pending.plan, assemble)
+                work()
             except Exception as error:
                 failure = error
         try:
@@ -296,6 +327,19 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         except Exception as error:  # raised by wait(), in the training thread
             logger.error("Asynchronous save of %s failed: %s", pending.plan.filename, error)
             pending.error = error
+
+    def _sharded_state(self, objects: Any, plan: _SavePlan) -> dict[str, Any]:
+        """This rank's part of a sharded checkpoint: sharded objects' own parts, and the state of the others."""
+        state = map_objects(
+            objects, lambda _, obj: obj.sharded_state_dict() if isinstance(obj, ShardedState) else obj.state_dict()
+        )
+        if self.include_self:
+            state["checkpointer"] = {"_saved": [list(item) for item in plan.saved]}
+        return state
+
+    def _remove_displaced(self, plan: _SavePlan) -> None:
+        for filename in plan.removed:
+            self.save_handler.remove(filename)
 
     def _gather_and_write(self, objects: Any, plan: _SavePlan, state_of: Callable[[str, Any], Any]) -> None:
         """Collective: every object's full state (``state_of(path, obj)``) to the recipient, which writes it."""
@@ -393,8 +437,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         else:
             self.save_handler(checkpoint, plan.filename)
         if isinstance(self.save_handler, BaseSaveHandler):
-            for filename in plan.removed:
-                self.save_handler.remove(filename)
+            self._remove_displaced(plan)
 
     def reload_objects(self, to_load: Mapping, load_kwargs: dict | None = None, **filename_components: Any) -> None:
         """Load ``to_load`` from one of this handler's files, named by ``filename_components`` (``name``,
@@ -549,7 +592,7 @@ def _resolve_recipient(consolidate_recipient_rank: int | None, save_on_rank: int
         given["consolidate_recipient_rank"] = consolidate_recipient_rank
     if save_on_rank is not None:
         given["save_on_rank"] = save_on_rank
-    if isinstance(save_handler, DiskSaver) and save_handler.rank_given:
+    if isinstance(save_handler, (DiskSaver, ShardedSaver)) and save_handler.rank_given:
         given["the save_handler's save_on_rank"] = save_handler.save_on_rank
     elif isinstance(save_handler, ignite_checkpoint.DiskSaver):
         given["the save_handler's save_on_rank"] = save_handler.save_on_rank
@@ -570,6 +613,13 @@ def _resolve_recipient(consolidate_recipient_rank: int | None, save_on_rank: int
             f"[0, {world_size})"
         )
     return recipient
+
+
+def _dcp_group(dedicated: bool) -> Any:
+    """The gloo group of every rank for ``torch.distributed.checkpoint``'s collectives; ``None`` without one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return transport.cpu_group(dedicated=dedicated)
 
 
 def _check_objects(objects: Mapping, method: str) -> None:

@@ -1,5 +1,9 @@
 """Loading: a checkpoint read where it can be, each rank given what it needs, every object restored or none.
 
+A checkpoint is a file (a consolidated save) or a directory (a sharded save, :class:`~ignite_zero.ShardedSaver`),
+which every rank reads through ``torch.distributed.checkpoint``: FSDP ranks read their own shards into templates
+of them, ZeRO ranks the state of the parameters they own, and every rank the objects it holds whole.
+
 When ``to_load`` holds sharded objects and several ranks run, loading is a collective in three rounds of
 agreement (:func:`ignite_zero.agreement.settle`):
 
@@ -17,16 +21,19 @@ With plain objects only, or without a process group, loading is local, as in ign
 from __future__ import annotations
 
 import socket
+import zlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ignite_zero import integrity, transport
+from ignite_zero import integrity, sharded, transport
 from ignite_zero.adapters import ShardedState, adapt, map_objects
 from ignite_zero.adapters.fsdp import full_optimizer_state_to_plain, owns_parameters
+from ignite_zero.adapters.zero import with_index_keys
 from ignite_zero.agreement import rank_and_world, settle
 
 __all__ = ["restore"]
@@ -41,9 +48,11 @@ def restore(
     map_objects(objects, lambda _, obj: sharded.append(isinstance(obj, ShardedState)))
     rank, world_size = rank_and_world()
     if world_size == 1 or not any(sharded):
-        if not isinstance(checkpoint, Mapping):
-            checkpoint = _read(Path(checkpoint), weights_only, verify=True)
-        entries = _for_plain_optimizers(objects, _entries(objects, checkpoint))
+        if isinstance(checkpoint, Mapping):
+            entries = _entries(objects, checkpoint)
+        else:
+            entries = _read(objects, Path(checkpoint), weights_only, verify=True)
+        entries = _for_plain_optimizers(objects, entries)
         _pair(objects, entries, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
         _pair(objects, entries, lambda path, obj, entry: _load_entry(obj, entry, kwargs))
         return
@@ -62,13 +71,10 @@ def restore(
 
     entries, failure = None, None
     try:
-        if identity is not None:
-            loaded = (
-                checkpoint
-                if isinstance(checkpoint, Mapping)
-                else _read(Path(checkpoint), weights_only, verify=_verifies(rank, reports, seers))
-            )
-            entries = _entries(objects, loaded)
+        if isinstance(checkpoint, Mapping):
+            entries = _entries(objects, checkpoint)
+        elif identity is not None:
+            entries = _read(objects, Path(checkpoint), weights_only, verify=_verifies(rank, reports, seers))
         entries = _for_plain_optimizers(objects, _distribute(entries, [need for _, _, need in reports], seers))
         _pair(objects, entries, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
     except Exception as error:
@@ -83,8 +89,16 @@ def restore(
     settle(failure, what="checkpoint load (restoring objects)", timeout=sync_timeout)
 
 
-def _identity(path: Path) -> tuple[int, int | None] | None:
-    """What this rank sees at ``path``: ``None`` if nothing, else its size and directory checksum."""
+def _identity(path: Path) -> tuple[Any, ...] | None:
+    """What this rank sees at ``path``: ``None`` if nothing; for a file its size and directory checksum, for a
+    sharded checkpoint directory the checksum of its manifest."""
+    if path.is_dir():
+        if not sharded.is_sharded_checkpoint(path):
+            raise integrity.IntegrityError(
+                f"{path} is not a complete checkpoint: it has no .metadata (interrupted save?)"
+            )
+        manifest = path / sharded.MANIFEST
+        return ("sharded", zlib.crc32(manifest.read_bytes()) if manifest.is_file() else None)
     if not path.is_file():
         return None
     trailer = integrity.read_trailer(path)  # cheap: the central directory only; fails on a truncated file
@@ -94,6 +108,12 @@ def _identity(path: Path) -> tuple[int, int | None] | None:
 def _check_seers(checkpoint: Any, reports: list[tuple[str, Any, Any]], seers: list[int]) -> None:
     if not seers:
         raise FileNotFoundError(f"Checkpoint file {checkpoint} exists on no rank; pass the path of an existing file")
+    if len(seers) < len(reports) and reports[seers[0]][1][0] == "sharded":
+        blind = [r for r in range(len(reports)) if r not in seers]
+        raise FileNotFoundError(
+            f"Ranks {blind} cannot see the sharded checkpoint {checkpoint}: a sharded checkpoint is read by every "
+            "rank, from a file system that all of them share."
+        )
     identities = {reports[r][1] for r in seers}
     if len(identities) > 1:
         listing = ", ".join(f"rank {r}: {reports[r][1]}" for r in seers)
@@ -109,12 +129,82 @@ def _verifies(rank: int, reports: list[tuple[str, Any, Any]], seers: list[int]) 
     return rank == next(r for r in seers if reports[r][0] == host)
 
 
-def _read(path: Path, weights_only: bool, verify: bool) -> Any:
+def _read(objects: Mapping, path: Path, weights_only: bool, verify: bool) -> Any:
+    """The entry of every object in a checkpoint file or a sharded checkpoint directory."""
+    if path.is_dir():
+        return _read_sharded(objects, path, verify)
     if not path.is_file():
         raise FileNotFoundError(f"Checkpoint file {path} does not exist on rank {rank_and_world()[0]}")
     if verify:
         integrity.verify_file(path)
-    return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    return _entries(objects, torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True))
+
+
+@dataclass(frozen=True)
+class _Filled:
+    """An object's template of its own shards, filled from a sharded checkpoint: loaded with ``load_sharded``."""
+
+    state: Any
+
+
+def _read_sharded(objects: Mapping, directory: Path, verify: bool) -> Any:
+    """Read from a sharded checkpoint what each object needs: its own shards where it gives a template, else the
+    saved entries it wants, whole (optimizer state keyed by index again)."""
+    if verify:
+        sharded.verify(directory)
+    metadata = sharded.read_metadata(directory)
+    saved = {sharded.path_of(metadata, name) for name in metadata.state_dict_metadata}
+    templates: dict[tuple[Any, ...], Any] = {}
+    flat: dict[str, Any] = {}
+    for path, obj in _leaves(objects):
+        relative = {p[len(path) :] for p in saved if p[: len(path)] == path}
+        if not relative:
+            raise KeyError(
+                f"The checkpoint has no entry {'.'.join(map(str, path))} (it holds "
+                f"{sorted({str(p[0]) for p in saved})}); load only the objects it holds, or pass the right directory."
+            )
+        template = obj.sharded_template(relative) if isinstance(obj, ShardedState) else None
+        if template is not None:
+            templates[path] = template
+            continue
+        wants = obj.wants if isinstance(obj, ShardedState) else (lambda _: True)
+        flat.update(
+            sharded.template(
+                metadata, lambda p, path=path, wants=wants: p[: len(path)] == path and wants(p[len(path) :])
+            )
+        )
+    state: dict[str, Any] = dict(flat)
+    for path, template in templates.items():
+        state[sharded.name_of(path)] = template
+    sharded.load(state, directory)
+    nested = sharded.nest(metadata, {name: state[name] for name in flat})
+
+    def entry(path: tuple[Any, ...], obj: Any) -> Any:
+        if path in templates:
+            return _Filled(state[sharded.name_of(path)])
+        node: Any = nested
+        for step in path:
+            node = node[step]
+        return with_index_keys(node)
+
+    return _map_paths(objects, entry)
+
+
+def _leaves(objects: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
+    """Every object of a nested ``to_load`` with its path (dict keys, list positions)."""
+    if isinstance(objects, Mapping):
+        return [leaf for key, value in objects.items() for leaf in _leaves(value, (*path, key))]
+    if isinstance(objects, list):
+        return [leaf for index, value in enumerate(objects) for leaf in _leaves(value, (*path, index))]
+    return [(path, objects)]
+
+
+def _map_paths(objects: Any, func: Callable[[tuple[Any, ...], Any], Any], path: tuple[Any, ...] = ()) -> Any:
+    if isinstance(objects, Mapping):
+        return {key: _map_paths(value, func, (*path, key)) for key, value in objects.items()}
+    if isinstance(objects, list):
+        return [_map_paths(value, func, (*path, index)) for index, value in enumerate(objects)]
+    return func(path, objects)
 
 
 def _distribute(entries: Any, needs: list[Any], seers: list[int]) -> Any:
@@ -210,6 +300,8 @@ def _names_parameters(entry: Any) -> bool:
 
 def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:
     """Refuse, before anything is loaded, an entry that would not load."""
+    if isinstance(entry, _Filled):  # read through the object's own template: its names were checked by the read
+        return
     if isinstance(obj, ShardedState):
         obj.check_entry(entry, **_module_kwargs(obj, kwargs))
         return
@@ -235,7 +327,10 @@ def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:
 
 
 def _load_entry(obj: Any, entry: Any, kwargs: Mapping) -> None:
-    obj.load_state_dict(entry, **_module_kwargs(obj, kwargs))
+    if isinstance(entry, _Filled):
+        obj.load_sharded(entry.state)
+    else:
+        obj.load_state_dict(entry, **_module_kwargs(obj, kwargs))
 
 
 def _module_kwargs(obj: Any, kwargs: Mapping) -> Mapping:

@@ -1,13 +1,15 @@
-"""Storage: where and how a checkpoint dictionary becomes a durable file.
+"""Storage: where and how a checkpoint becomes durable on disk.
 
-:class:`DiskSaver` is the drop-in for ignite's saver of the same name. It writes on one rank only, to a
-temporary name in the target directory, flushes the file to disk, renames it, then flushes the directory,
-so that a crash at any point leaves either the previous file or the complete new one. Old checkpoints are
-removed by the caller (:class:`~ignite_zero.Checkpoint`) only once the new one is durable.
+:class:`DiskSaver` is the drop-in for ignite's saver of the same name: one rank writes one file, to a temporary
+name in the target directory, flushes it to disk, renames it, then flushes the directory, so that a crash at any
+point leaves either the previous file or the complete new one. :class:`ShardedSaver` writes a directory that
+every rank writes its part of, through ``torch.distributed.checkpoint``, with the same guarantees. Old
+checkpoints are removed by the caller (:class:`~ignite_zero.Checkpoint`) only once the new one is durable.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -15,22 +17,23 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from ignite.handlers.checkpoint import BaseSaveHandler
 
-from ignite_zero import _compat, integrity
-from ignite_zero.agreement import rank_and_world
+from ignite_zero import _compat, integrity, sharded
+from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
 
-__all__ = ["DiskSaver", "check_filename", "serialized_size"]
+__all__ = ["DiskSaver", "ShardedSaver", "check_filename", "serialized_size"]
 
 logger = logging.getLogger(__name__)
 
-# Temporary files are hidden and never end in ".pt", so nothing takes them for checkpoints.
-_TEMPORARY = re.compile(r"^\..+\.ignite_zero-[0-9a-f]{12}\.tmp$")
+# Temporary files and directories are hidden and never end in ".pt" or ".dcp": nothing takes them for checkpoints.
+_TEMPORARY = re.compile(r"^\..+\.ignite_zero-[0-9a-z]+\.tmp$")
 
 
 def check_filename(filename: str) -> str:
@@ -48,7 +51,76 @@ def check_filename(filename: str) -> str:
     return filename
 
 
-class DiskSaver(BaseSaveHandler):
+class _DirectorySaver(BaseSaveHandler):
+    """What the file and the directory savers share: the target directory, the one rank that writes (or, for a
+    sharded save, seals and removes), the cleanup after interrupted saves, and retention."""
+
+    #: extension of the checkpoints' names
+    ext = "pt"
+
+    def __init__(self, dirname: str | Path, create_dir: bool, require_empty: bool, save_on_rank: int | None) -> None:
+        if save_on_rank is not None and (not isinstance(save_on_rank, int) or save_on_rank < 0):
+            raise ValueError(f"Argument `save_on_rank` should be a non-negative integer, got {save_on_rank!r}")
+        self.dirname = Path(dirname).expanduser()
+        self._create_dir = create_dir
+        self._require_empty = require_empty
+        self.rank_given = save_on_rank is not None
+        self.save_on_rank = 0 if save_on_rank is None else save_on_rank
+        self._prepared = False
+        if self.rank_given:
+            self._prepare()
+
+    def bind(self, rank: int) -> None:
+        """Make ``rank`` the writing rank; called by :class:`~ignite_zero.Checkpoint` when none was given."""
+        if self.rank_given and rank != self.save_on_rank:
+            raise ValueError(f"This {type(self).__name__} writes on rank {self.save_on_rank}, not on rank {rank}")
+        self.save_on_rank = rank
+        self._prepare()
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process writes the files."""
+        return rank_and_world()[0] == self.save_on_rank
+
+    def _prepare(self) -> None:
+        if self._prepared or not self.is_writer:
+            return
+        if self._create_dir:
+            self.dirname.mkdir(parents=True, exist_ok=True)
+        if not self.dirname.is_dir():
+            raise ValueError(f"Directory path '{self.dirname}' is not found; create it or pass `create_dir=True`")
+        if self._require_empty:
+            matched = sorted(name for name in os.listdir(self.dirname) if name.endswith(f".{self.ext}"))
+            if matched:
+                raise ValueError(
+                    f"Files {matched} with extension '.{self.ext}' are already present in the directory "
+                    f"{self.dirname}. If you want to use this directory anyway, pass `require_empty=False`."
+                )
+        self._prepared = True
+
+    def path(self, filename: str) -> Path:
+        """Where the checkpoint ``filename`` lives."""
+        return self.dirname / check_filename(filename)
+
+    def _remove_temporaries(self) -> None:
+        # Left by a process killed while writing; the live writer of this directory is this rank alone.
+        for name in os.listdir(self.dirname):
+            if _TEMPORARY.match(name):
+                _remove_path(self.dirname / name)
+                logger.warning("Removed %s, left by an interrupted save", self.dirname / name)
+
+    def remove(self, filename: str) -> None:
+        if not self.is_writer:
+            return
+        path = self.path(filename)
+        if not path.exists():
+            logger.warning("Checkpoint %s was already removed", path)
+            return
+        _remove_path(path)
+        _fsync_directory(path.parent)
+
+
+class DiskSaver(_DirectorySaver):
     """Durable, rank-aware disk saver: the drop-in for :class:`ignite.handlers.DiskSaver`.
 
     Args:
@@ -92,50 +164,9 @@ class DiskSaver(BaseSaveHandler):
                 "DiskSaver writes torch's zip format only (it carries the integrity trailer); remove "
                 "`_use_new_zipfile_serialization=False`."
             )
-        if save_on_rank is not None and (not isinstance(save_on_rank, int) or save_on_rank < 0):
-            raise ValueError(f"Argument `save_on_rank` should be a non-negative integer, got {save_on_rank!r}")
-        self.dirname = Path(dirname).expanduser()
         self._atomic = atomic
-        self._create_dir = create_dir
-        self._require_empty = require_empty
         self.kwargs = kwargs
-        self.rank_given = save_on_rank is not None
-        self.save_on_rank = 0 if save_on_rank is None else save_on_rank
-        self._prepared = False
-        if self.rank_given:
-            self._prepare()
-
-    def bind(self, rank: int) -> None:
-        """Make ``rank`` the writing rank; called by :class:`~ignite_zero.Checkpoint` when none was given."""
-        if self.rank_given and rank != self.save_on_rank:
-            raise ValueError(f"This DiskSaver writes on rank {self.save_on_rank}, not on rank {rank}")
-        self.save_on_rank = rank
-        self._prepare()
-
-    @property
-    def is_writer(self) -> bool:
-        """Whether this process writes the files."""
-        return rank_and_world()[0] == self.save_on_rank
-
-    def _prepare(self) -> None:
-        if self._prepared or not self.is_writer:
-            return
-        if self._create_dir:
-            self.dirname.mkdir(parents=True, exist_ok=True)
-        if not self.dirname.is_dir():
-            raise ValueError(f"Directory path '{self.dirname}' is not found; create it or pass `create_dir=True`")
-        if self._require_empty:
-            matched = sorted(name for name in os.listdir(self.dirname) if name.endswith(".pt"))
-            if matched:
-                raise ValueError(
-                    f"Files {matched} with extension '.pt' are already present in the directory {self.dirname}. "
-                    "If you want to use this directory anyway, pass `require_empty=False`."
-                )
-        self._prepared = True
-
-    def path(self, filename: str) -> Path:
-        """Where the checkpoint ``filename`` lives."""
-        return self.dirname / check_filename(filename)
+        super().__init__(dirname, create_dir, require_empty, save_on_rank)
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
         if not self.is_writer:
@@ -195,23 +226,194 @@ class DiskSaver(BaseSaveHandler):
                 "Free some space, write elsewhere, or lower `n_saved`.",
             )
 
-    def _remove_temporaries(self) -> None:
-        # Left by a process killed while writing; a live writer of this directory is this process alone.
-        for name in os.listdir(self.dirname):
-            if _TEMPORARY.match(name):
-                (self.dirname / name).unlink(missing_ok=True)
-                logger.warning("Removed %s, left by an interrupted save", self.dirname / name)
 
-    def remove(self, filename: str) -> None:
+class ShardedSaver(_DirectorySaver):
+    """Sharded saver: every rank writes its own part of a checkpoint directory, in parallel, through
+    ``torch.distributed.checkpoint`` (DCP).
+
+    Give it to :class:`~ignite_zero.Checkpoint` as ``save_handler``: the policy (names, scores, ``n_saved``,
+    ``last_checkpoint``, agreement among ranks) is the same, but nothing is gathered on one rank. Each checkpoint
+    is a directory named like the file would be, with the extension ``.dcp``. ZeRO and OSS ranks write the state
+    of the parameters they own, FSDP1 and FSDP2 ranks their shards, and objects that every rank holds are written
+    once; :meth:`Checkpoint.load_objects <ignite_zero.Checkpoint.load_objects>` reads it on any number of ranks,
+    each rank reading only what it needs, and ``ignite-zero consolidate`` turns it into a single file.
+
+    Durability: the ranks write into a hidden temporary directory, DCP writes its ``.metadata`` last, every
+    file's CRC-32 is computed while it is written, and ``save_on_rank`` (the checkpoint's recipient) then seals
+    the directory with a manifest of them, flushes it and renames it into place; older checkpoints are removed
+    only after that. A directory under a checkpoint's name is always complete. Every rank must see the same
+    ``dirname`` (a shared file system).
+
+    Args:
+        dirname: directory in which checkpoint directories are written.
+        create_dir: if True, create ``dirname`` when it does not exist.
+        require_empty: if True, raise when ``dirname`` already holds ``.dcp`` checkpoints.
+        save_on_rank: the rank that seals and removes checkpoints. ``None`` (default) lets
+            :class:`~ignite_zero.Checkpoint` pick its ``consolidate_recipient_rank``; on its own, rank 0.
+        thread_count: threads that write each rank's files.
+
+    Examples:
+        .. code-block:: python
+
+            from ignite_zero import Checkpoint, ShardedSaver
+
+            checkpoint = Checkpoint(to_save, ShardedSaver("/shared/ckpt", require_empty=False), n_saved=2)
+            trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpoint)
+            # later, on any number of ranks:
+            Checkpoint.load_objects(to_load=to_save, checkpoint="/shared/ckpt/checkpoint_300.dcp")
+
+    .. versionadded:: 0.1.0
+    """
+
+    ext = "dcp"
+
+    def __init__(
+        self,
+        dirname: str | Path,
+        create_dir: bool = True,
+        require_empty: bool = True,
+        save_on_rank: int | None = None,
+        thread_count: int = 1,
+    ) -> None:
+        if not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"Argument `thread_count` should be a positive integer, got {thread_count!r}")
+        self.thread_count = thread_count
+        self._writers: dict[Path, sharded.ChecksummingWriter] = {}  # kept by asynchronous saves, with their copies
+        super().__init__(dirname, create_dir, require_empty, save_on_rank)
+
+    def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
+        """Collective: save ``checkpoint`` (this rank's part of it) as the directory ``filename``."""
+        self.save(checkpoint, filename)
+
+    def save(
+        self,
+        state: Mapping,
+        filename: str,
+        *,
+        group: Any = None,
+        timeout: float = DEFAULT_SYNC_TIMEOUT,
+        stream: str = "main",
+    ) -> None:
+        """Collective: write every rank's ``state`` as the checkpoint directory ``filename``, and seal it.
+
+        Args:
+            state: this rank's part: plain tensors and values, ``DTensor``s and ``ShardedTensor``s.
+            filename: name of the directory.
+            group: gloo process group of every rank for DCP's own collectives; ``None`` for the default group.
+            timeout: seconds ranks wait for each other around the write.
+            stream: stream of agreement rounds (see :func:`ignite_zero.agreement.agree`).
+        """
+        partial, writer = self._begin(filename, timeout, stream, cache=False)
+        failure = None
+        started = time.perf_counter()
+        try:
+            dcp.save(dict(state), storage_writer=writer, process_group=group)
+        except Exception as error:
+            failure = error
+        self._commit(filename, partial, writer, failure, timeout, stream, started)
+
+    def save_async(
+        self, state: Mapping, filename: str, *, group: Any, timeout: float, stream: str
+    ) -> Callable[[], None]:
+        """Collective: stage this rank's ``state`` into host memory (the only part that blocks) and start writing
+        it; return the function that waits for the write and seals the directory, to run in another thread.
+
+        DCP keeps the host copies for the next save (``cache_staged_state_dict``); ``group`` must be a gloo group
+        of its own (see :func:`ignite_zero.transport.cpu_group`), since DCP's collectives then run beside training.
+        """
+        partial, writer = self._begin(filename, timeout, stream, cache=True)
+        started = time.perf_counter()
+        future = dcp.async_save(dict(state), storage_writer=writer, process_group=group)
+
+        def finish() -> None:
+            failure = None
+            try:
+                future.result()
+            except Exception as error:
+                failure = error
+            self._commit(filename, partial, writer, failure, timeout, stream, started)
+
+        return finish
+
+    def _begin(
+        self, filename: str, timeout: float, stream: str, cache: bool
+    ) -> tuple[Path, sharded.ChecksummingWriter]:
+        """Collective: the writing rank clears what an interrupted save left and makes the temporary directory."""
+        final = self.path(filename)
+        partial = final.with_name(f".{final.name}.ignite_zero-partial.tmp")
+        failure = None
+        if self.is_writer:
+            try:
+                self._prepare()
+                self._remove_temporaries()
+                partial.mkdir()
+            except Exception as error:
+                failure = error
+        settle(failure, what=f"preparation of {filename}", timeout=timeout, stream=stream)
+        writer = self._writers.get(partial) if cache else None
+        if writer is None:
+            writer = sharded.ChecksummingWriter(partial, self.thread_count, cache_staged_state_dict=cache)
+            if cache:
+                self._writers[partial] = writer
+        writer.written.clear()
+        return partial, writer
+
+    def _commit(
+        self,
+        filename: str,
+        partial: Path,
+        writer: sharded.ChecksummingWriter,
+        failure: BaseException | None,
+        timeout: float,
+        stream: str,
+        started: float,
+    ) -> None:
+        """Collective: every rank's files to the writing rank, which seals the directory and renames it into place."""
+        files = settle(
+            failure, what=f"sharded save of {filename}", timeout=timeout, payload=dict(writer.written), stream=stream
+        )
         if not self.is_writer:
             return
-        path = self.path(filename)
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            logger.warning("Checkpoint %s was already removed", path)
-        else:
-            _fsync_directory(path.parent)
+        listed = {name: record for rank_files in files for name, record in rank_files.items()}
+        sharded.seal(partial, listed, world_size=len(files), torch=torch.__version__, ignite_zero=_package_version())
+        _fsync_directory(partial)
+        final = self.path(filename)
+        _install_directory(partial, final)
+        _fsync_directory(final.parent)
+        size = sum(size for size, _ in listed.values())
+        logger.info(
+            "Saved %s (%.1f MB, %d files) in %.2f s", final, size / 1e6, len(listed), time.perf_counter() - started
+        )
+
+
+def _install_directory(source: Path, target: Path) -> None:
+    """Put the directory ``source`` at ``target``, replacing a previous ``target`` atomically where Linux can."""
+    if not target.exists():
+        os.replace(source, target)
+        return
+    if _exchange(source, target):  # target now holds the new checkpoint, source the old one
+        shutil.rmtree(source)
+        return
+    # Without an atomic exchange: the old directory steps aside under a temporary name first.
+    aside = target.with_name(f".{target.name}.ignite_zero-old.tmp")
+    os.replace(target, aside)
+    os.replace(source, target)
+    shutil.rmtree(aside)
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where that is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EXDEV):
+        return False
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(second))
 
 
 class _ErrorKeepingStream:
@@ -257,6 +459,13 @@ def serialized_size(obj: Any) -> int:
     visit(obj)
     # per record: zip headers and alignment (about 200 bytes); per object: its pickled description
     return sum(storages.values()) + 256 * len(storages) + 128 * count + (1 << 16)
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _fsync_directory(dirname: Path) -> None:

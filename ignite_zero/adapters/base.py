@@ -88,6 +88,28 @@ class ShardedState(ABC):
     def assemble(self, snapshot: Any, group: Any) -> dict[str, Any]:
         """Collective over ``group``: the full state on the recipient from every rank's snapshot, ``{}`` elsewhere."""
 
+    def sharded_state_dict(self) -> Any:
+        """What this rank writes in a sharded checkpoint (:class:`~ignite_zero.ShardedSaver`): its own part, under
+        names from which any world size finds what it needs; a local call."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be saved sharded")
+
+    def sharded_template(self, saved: set[tuple[Any, ...]]) -> Any | None:
+        """For a sharded load: a state of this rank's shards for ``torch.distributed.checkpoint`` to fill, or
+        ``None`` to read whole the saved entries that :meth:`wants`.
+
+        Args:
+            saved: the paths of the entries saved for this object, relative to it.
+        """
+        return None
+
+    def wants(self, path: tuple[Any, ...]) -> bool:
+        """Whether this rank reads, in a sharded load, the saved entry at ``path`` (relative to this object)."""
+        return True
+
+    def load_sharded(self, state: Any) -> None:
+        """Restore from what a sharded load read: the filled :meth:`sharded_template`, or the wanted entries."""
+        self.load_state_dict(state)
+
     def gather_group(self, dedicated: bool = False) -> Any:
         """The gloo group snapshots travel over: that of every rank, or ``None`` without a process group.
 

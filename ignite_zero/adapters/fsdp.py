@@ -19,12 +19,21 @@ A file saved from FSDP1 loads into FSDP2 and the other way round, and into a pla
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FlatParameter, FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
@@ -198,6 +207,20 @@ class FSDPModelState(_FSDPState):
         # Every tensor was allocated by the gather: never a view of live parameters.
         return {} if full is None else {key[0]: value for key, value in full.items()}
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards as ``torch.distributed.checkpoint.state_dict`` gives them (``DTensor`` for FSDP2,
+        ``ShardedTensor`` for FSDP1), by the unwrapped module's names."""
+        with _quiet_state_dict_apis():
+            return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=False))
+
+    def sharded_template(self, saved: set[tuple[Any, ...]]) -> dict[str, Any]:
+        """New tensors laid out like this rank's shards: reading fills them, loading copies them in."""
+        return _fresh(self.sharded_state_dict())
+
+    def load_sharded(self, state: Any) -> None:
+        with _quiet_state_dict_apis():
+            set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=False))
+
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Restore this rank's shards, buffers and extra state from a full model state; local.
 
@@ -293,6 +316,31 @@ class FSDPOptimizerState(_FSDPState):
         ordered = {name: state[name] for group in groups for name in group["params"] if name in state}
         return {"state": ordered, "param_groups": groups}
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the optimizer state by parameter names, as ``get_optimizer_state_dict`` gives it,
+        sharded like the parameters. An optimizer without state yet writes its parameter groups only (that
+        function would create the state with a step)."""
+        if not self.obj.state:
+            return {"state": {}, "param_groups": self.snapshot()[1]}
+        with _quiet_state_dict_apis():
+            return get_optimizer_state_dict(self.module, self.obj, options=StateDictOptions(full_state_dict=False))
+
+    def sharded_template(self, saved: set[tuple[Any, ...]]) -> dict[str, Any] | None:
+        """New tensors laid out like this rank's optimizer state; ``None`` when the checkpoint holds no state."""
+        if not any(path[:1] == ("state",) for path in saved):
+            return None
+        with _quiet_state_dict_apis():  # an optimizer without state gets it from a step with zero gradients
+            return _fresh(
+                get_optimizer_state_dict(self.module, self.obj, options=StateDictOptions(full_state_dict=False))
+            )
+
+    def load_sharded(self, state: Any) -> None:
+        if not state.get("state"):
+            self.load_state_dict(state)
+            return
+        with _quiet_state_dict_apis():
+            set_optimizer_state_dict(self.module, self.obj, state, options=StateDictOptions(full_state_dict=False))
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore this rank's part of the optimizer state from a full, name-keyed one; local.
 
@@ -305,6 +353,29 @@ class FSDPOptimizerState(_FSDPState):
     def check_entry(self, state_dict: Mapping[str, Any]) -> None:
         """Raise as :meth:`load_state_dict` would, changing nothing."""
         _check_optimizer_state(_param_layouts(self.module), self.obj, state_dict)
+
+
+@contextmanager
+def _quiet_state_dict_apis() -> Iterator[None]:
+    """torch's state-dict functions warn about FSDP1 internals they use themselves (ShardedTensor, state_dict_type)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed")
+        yield
+
+
+def _fresh(state: Any) -> Any:
+    """``state`` with new, empty tensors of the same layout: reading a checkpoint into them changes nothing live."""
+    if isinstance(state, DTensor):
+        local = torch.empty_like(state.to_local())
+        return DTensor.from_local(local, state.device_mesh, state.placements, shape=state.shape, stride=state.stride())
+    if isinstance(state, torch.Tensor) and type(state) in (torch.Tensor, nn.Parameter):
+        return torch.empty_like(state)
+    if isinstance(state, Mapping):
+        return {key: _fresh(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [_fresh(value) for value in state]
+    return state  # ShardedTensor (FSDP1 clones its shards already), and plain values
 
 
 def full_optimizer_state_to_plain(

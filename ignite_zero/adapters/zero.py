@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from ignite_zero import _compat, transport
 from ignite_zero.adapters.base import ShardedState, copy_structure, group_ranks
 
-__all__ = ["OptimizerStatePart", "ZeROState", "consolidate", "recipient_keyword"]
+__all__ = ["OptimizerStatePart", "ZeROState", "consolidate", "recipient_keyword", "with_index_keys"]
 
 
 def recipient_keyword(consolidate_state_dict: Callable[..., Any]) -> str | None:
@@ -198,6 +199,28 @@ class ZeROState(ShardedState):
             return None
         return transport.cpu_group(process_group_of(self.obj), dedicated=dedicated)
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The state of the parameters this rank owns, by global index (as strings: names in a sharded checkpoint),
+        and the param groups; an optimizer of unknown layout writes its consolidated state from the recipient."""
+        snapshot = self.snapshot()
+        if "full" in snapshot:
+            return snapshot["full"]
+        return {"state": {str(index): value for index, value in snapshot["state"].items()}, **_without_state(snapshot)}
+
+    def wants(self, path: tuple[Any, ...]) -> bool:
+        """The param groups, and the state of the parameters this rank owns."""
+        if self._owned_names is None or path[:1] != ("state",) or len(path) < 2:
+            return True
+        return str(path[1]) in self._owned_names
+
+    @functools.cached_property
+    def _owned_names(self) -> set[str] | None:
+        part = self.part_needed()
+        return None if part is None else {str(index) for index in part.indices}
+
+    def load_sharded(self, state: Any) -> None:
+        self.load_state_dict(with_index_keys(state))
+
     def part_needed(self) -> OptimizerStatePart | None:
         """The state of the parameters this rank owns: each rank loads only its partition."""
         local = getattr(self.obj, "optim", None)
@@ -227,6 +250,19 @@ class ZeROState(ShardedState):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.check_entry(state_dict)
         self.obj.load_state_dict(copy_structure(state_dict))
+
+
+def with_index_keys(state: Any) -> Any:
+    """An optimizer state whose ``state`` is keyed by index as strings (as names in a sharded checkpoint are), with
+    integer keys again; anything else as it is."""
+    entries = state.get("state") if isinstance(state, Mapping) else None
+    if not isinstance(entries, Mapping) or not all(isinstance(key, str) and key.isdigit() for key in entries):
+        return state
+    return {**state, "state": dict(sorted((int(key), value) for key, value in entries.items()))}
+
+
+def _without_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in state.items() if key != "state"}
 
 
 def _knows_its_partition(optimizer: Any) -> bool:

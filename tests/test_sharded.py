@@ -1,0 +1,121 @@
+"""Sharded checkpoints on real gloo ranks: every rank writes its own part through torch.distributed.checkpoint, the
+directory is sealed with checksums, and it loads on any number of ranks, or in one process, for every kind of state."""
+
+import os
+
+import pytest
+import torch
+from ignite.engine import Engine, Events
+from launcher import run_ranks
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from training import assert_state_equal, tiny_model, train_step, zero_adam
+
+from ignite_zero import Checkpoint, IntegrityError, ShardedSaver, sharded
+
+pytestmark = pytest.mark.distributed
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 9), nn.ReLU(), nn.Sequential(nn.Linear(9, 5), nn.Linear(5, 3)))
+
+
+def _shard(net: nn.Module, kind: str) -> nn.Module:
+    if kind == "fsdp1":
+        return FullyShardedDataParallel(net, device_id=torch.device("cpu"), use_orig_params=True)
+    fully_shard(net[2])
+    return fully_shard(net)
+
+
+def _objects(rank: int, kind: str, seed: int = 0) -> dict:
+    """An FSDP model and its optimizer, a DDP model with a ZeRO optimizer, a trainer."""
+    model = _shard(_net(), kind)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    side = DistributedDataParallel(tiny_model(seed))
+    side_optimizer = zero_adam(side)
+
+    def step(engine, _):
+        generator = torch.Generator().manual_seed(engine.state.iteration)
+        model(torch.randn(4, 7, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        train_step(side, side_optimizer, rank, engine.state.iteration)
+
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "side_model": side,
+        "side_optimizer": side_optimizer,
+        "trainer": Engine(step),
+    }
+
+
+def _save(rank, world_size, dirname, kind):
+    objects = _objects(rank, kind)
+    trainer = objects["trainer"]
+    checkpoint = Checkpoint(objects, ShardedSaver(dirname), n_saved=1, consolidate_recipient_rank=world_size - 1)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpoint)
+    trainer.run(range(2), max_epochs=2)
+    # the full state, gathered by a consolidated save, for comparison
+    Checkpoint({k: v for k, v in objects.items() if k != "trainer"}, dirname / "full")(trainer)
+    return str(checkpoint.last_checkpoint)
+
+
+@pytest.fixture(scope="module", params=["fsdp1", "fsdp2"])
+def saved(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    last = run_ranks(_save, 2, directory, request.param)
+    return request.param, directory
+
+
+def test_a_sharded_checkpoint_is_a_sealed_directory_with_one_file_per_rank(saved):
+    _, directory = saved
+    assert sorted(p.name for p in directory.iterdir()) == ["checkpoint_4.dcp", "full"]
+    checkpoint = directory / "checkpoint_4.dcp"
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "ignite_zero.json",
+    ]
+    manifest = sharded.verify(checkpoint)
+    assert manifest["world_size"] == 2 and sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+def _load(rank, world_size, directory, kind):
+    objects = _objects(rank, kind, seed=7)
+    Checkpoint.load_objects(objects, directory / "checkpoint_4.dcp")
+    again = {k: v for k, v in objects.items() if k != "trainer"}
+    Checkpoint(again, directory / f"again{world_size}")(Engine(lambda e, b: None))
+    return objects["trainer"].state.iteration
+
+
+@pytest.mark.parametrize("world_size", [3, 2, 1])
+def test_loads_on_any_number_of_ranks(saved, world_size):
+    kind, directory = saved
+    assert run_ranks(_load, world_size, directory, kind) == [4] * world_size
+    full = torch.load(directory / "full" / "checkpoint_4.pt", weights_only=True)
+    again = torch.load(directory / f"again{world_size}" / "checkpoint_0.pt", weights_only=True)
+    assert_state_equal(again, full)
+
+
+def test_loads_into_plain_objects_without_process_group(saved):
+    _, directory = saved
+    model, side = _net(), tiny_model(seed=3)
+    optimizer, side_optimizer = torch.optim.Adam(model.parameters()), torch.optim.Adam(side.parameters())
+    trainer = Engine(lambda e, b: None)
+    to_load = {
+        "model": model,
+        "optimizer": optimizer,
+        "side_model": side,
+        "side_optimizer": side_optimizer,
+        "trainer": trainer,
+    }
+    Checkpoint.load_objects(to_load, directory / "checkpoint_4.dcp")
+    full = torch.load(directory / "full" / "checkpoint_4.pt", weights_only=True)
+    assert_state_equal(model.state_dict(), dict(full["model"]))
+    assert_state_equal(side.state_dict(), full["side_model"])
+    assert_state_equal(side_optimizer.state_dict(), full["side_optimizer"])
+    assert trainer.state.iteration == 4
