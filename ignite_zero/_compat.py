@@ -19,6 +19,7 @@ __all__ = [
     "TORCH_VERSION",
     "CheckpointEvents",
     "consolidated_state_attribute",
+    "dcp_host_copies",
     "default_store",
     "fairscale_oss_class",
     "serialization_crc32",
@@ -97,6 +98,17 @@ def zero_awaits_ddp(optimizer: Any) -> bool:
     from torch.distributed.optim.zero_redundancy_optimizer import _OverlapStatus
 
     return optimizer._overlap_info.status != _OverlapStatus.INITIALIZED
+
+
+def dcp_host_copies() -> tuple[Any, Any]:
+    """``torch.distributed.checkpoint``'s functions that allocate host copies of a state (``DTensor`` and
+    ``ShardedTensor`` included) and copy a state into them: ``(create(state, pin_memory), copy(state, copies))``.
+
+    DCP's own cached staging pins its buffers unconditionally, which fails on hosts without an accelerator.
+    """
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+    return _create_cpu_state_dict, _copy_state_dict
 
 
 @contextmanager

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from ignite_zero import _compat
 from ignite_zero.integrity import IntegrityError
 
 __all__ = [
@@ -117,6 +118,17 @@ class ChecksummingWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike, thread_count: int = 1, cache_staged_state_dict: bool = False) -> None:
         super().__init__(path, thread_count=thread_count, cache_staged_state_dict=cache_staged_state_dict)
         self.fs = _ChecksummingFileSystem()
+        self._copies: Any = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A host copy of ``state_dict`` for an asynchronous save; kept and reused when caching, pinned only where
+        an accelerator can pin it."""
+        if not self.cache_staged_state_dict:
+            return super().stage(state_dict)
+        create, copy = _compat.dcp_host_copies()
+        if self._copies is None:
+            self._copies = create(state_dict, pin_memory=torch.cuda.is_available())
+        return copy(state_dict, self._copies)
 
     @property
     def written(self) -> dict[str, tuple[int, int]]:

@@ -66,7 +66,7 @@ def _save(rank, world_size, dirname, kind):
 @pytest.fixture(scope="module", params=["fsdp1", "fsdp2"])
 def saved(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
-    last = run_ranks(_save, 2, directory, request.param)
+    assert run_ranks(_save, 2, directory, request.param) == [str(directory / "checkpoint_4.dcp")] * 2
     return request.param, directory
 
 
@@ -119,3 +119,100 @@ def test_loads_into_plain_objects_without_process_group(saved):
     assert_state_equal(side.state_dict(), full["side_model"])
     assert_state_equal(side_optimizer.state_dict(), full["side_optimizer"])
     assert trainer.state.iteration == 4
+
+
+def _async_and_retention(rank, world_size, dirname):
+    objects = _objects(rank, "fsdp2")
+    trainer = objects["trainer"]
+    checkpoint = Checkpoint(
+        objects,
+        ShardedSaver(dirname),
+        n_saved=1,
+        async_save=True,
+        filename_pattern="{name}_{global_step}.{ext}",
+        global_step_transform=lambda e, _: e.state.iteration,
+    )
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpoint)
+    trainer.run(range(2), max_epochs=3)  # the end of the run waits for the last save
+    Checkpoint({k: v for k, v in objects.items() if k != "trainer"}, dirname / "full")(trainer)
+    return str(checkpoint.last_checkpoint)
+
+
+def test_asynchronous_sharded_saves_and_retention(tmp_path):
+    results = run_ranks(_async_and_retention, 2, tmp_path)
+    assert results == [str(tmp_path / "checkpoint_6.dcp")] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_6.dcp", "full"]
+    sharded.verify(tmp_path / "checkpoint_6.dcp")
+    model = _net()
+    side = tiny_model(seed=3)
+    to_load = {"model": model, "side_model": side}
+    Checkpoint.load_objects(to_load, tmp_path / "checkpoint_6.dcp")
+    full = torch.load(tmp_path / "full" / "checkpoint_6.pt", weights_only=True)
+    assert_state_equal(model.state_dict(), dict(full["model"]))
+    assert_state_equal(side.state_dict(), full["side_model"])
+
+
+def _constant_name(rank, world_size, dirname):
+    model = DistributedDataParallel(tiny_model())
+    optimizer = zero_adam(model)
+    checkpoint = Checkpoint(
+        {"model": model, "optimizer": optimizer}, ShardedSaver(dirname), filename_pattern="latest.dcp"
+    )
+    engine = Engine(lambda e, b: None)
+    for iteration in (1, 2):
+        train_step(model, optimizer, rank, iteration)
+        engine.state.iteration = iteration
+        checkpoint(engine)
+    return model.module.state_dict()
+
+
+def test_a_constant_name_is_replaced_by_the_complete_new_directory(tmp_path):
+    model_state = run_ranks(_constant_name, 2, tmp_path)[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["latest.dcp"]
+    sharded.verify(tmp_path / "latest.dcp")
+    model = tiny_model(seed=4)
+    Checkpoint.load_objects({"model": model}, tmp_path / "latest.dcp")
+    assert_state_equal(model.state_dict(), model_state)
+
+
+def _killed_before_sealing(rank, world_size, dirname):
+    model = DistributedDataParallel(tiny_model())
+    optimizer = zero_adam(model)
+    saver = ShardedSaver(dirname)
+    checkpoint = Checkpoint({"model": model, "optimizer": optimizer}, saver, n_saved=1, sync_timeout=2.0)
+    engine = Engine(lambda e, b: None)
+    engine.state.iteration = 1
+    checkpoint(engine)
+    if rank == 0:  # the recipient dies after every rank wrote its files, before the directory is sealed
+        sharded.seal = lambda *args, **kwargs: os.kill(os.getpid(), 9)
+    engine.state.iteration = 2
+    with pytest.raises(Exception, match=r"waiting for ranks \[0\]"):
+        checkpoint(engine)
+    return str(checkpoint.last_checkpoint)
+
+
+def test_a_save_interrupted_before_sealing_leaves_the_previous_checkpoint(tmp_path):
+    results = run_ranks(_killed_before_sealing, 2, tmp_path, killed=[0], timeout=60)
+    assert results[1] == str(tmp_path / "checkpoint_1.dcp")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".checkpoint_2.dcp.ignite_zero-partial.tmp", "checkpoint_1.dcp"]  # never taken for a checkpoint
+    sharded.verify(tmp_path / "checkpoint_1.dcp")
+    Checkpoint.load_objects({"model": tiny_model(seed=2)}, tmp_path / "checkpoint_1.dcp")
+    with pytest.warns(UserWarning, match="carries no ignite_zero manifest"):  # never sealed
+        sharded.verify(tmp_path / ".checkpoint_2.dcp.ignite_zero-partial.tmp")
+
+
+def test_corrupt_and_missing_files_are_refused(saved, tmp_path):
+    _, directory = saved
+    copy = tmp_path / "copy.dcp"
+    import shutil
+
+    shutil.copytree(directory / "checkpoint_4.dcp", copy)
+    data = bytearray((copy / "__1_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (copy / "__1_0.distcp").write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=r"copy.dcp: file __1_0.distcp is corrupt \(CRC-32"):
+        Checkpoint.load_objects({"side_model": tiny_model()}, copy)
+    (copy / "__1_0.distcp").unlink()
+    with pytest.raises(IntegrityError, match=r"file __1_0.distcp is missing"):
+        sharded.verify(copy)
