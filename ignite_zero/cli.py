@@ -1,24 +1,58 @@
 """``ignite-zero``: inspect, verify and consolidate checkpoints from the command line.
 
-ignite-zero inspect checkpoint_3.pt
-ignite-zero verify checkpoint_3.pt
-python -m ignite_zero verify checkpoint_3.pt
+ignite-zero inspect ckpt/checkpoint_3.pt          # a file, or a sharded directory (.dcp)
+ignite-zero verify ckpt/checkpoint_3.dcp
+ignite-zero consolidate ckpt/checkpoint_3.dcp checkpoint_3.pt
+python -m ignite_zero verify ckpt/checkpoint_3.pt
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ignite_zero import integrity
+from ignite_zero import integrity, sharded
+from ignite_zero.adapters.zero import with_index_keys
+from ignite_zero.savers import DiskSaver
 
 __all__ = ["main"]
+
+# A conversion reads this much at a time, and reports its progress after each.
+_BATCH_BYTES = 256 * 2**20
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _origin(facts: Mapping[str, Any] | None, what: str) -> str:
+    if not facts:
+        return f"no ignite_zero {what} (written by another tool)"
+    return (
+        f"written by ignite_zero {facts.get('ignite_zero')} with torch {facts.get('torch')} on "
+        f"{facts.get('world_size')} rank(s)"
+    )
+
+
+def _describe(dtype: torch.dtype, shape: Sequence[int]) -> str:
+    numel = 1
+    for extent in shape:
+        numel *= extent
+    return (
+        f"{str(dtype).removeprefix('torch.')} {'x'.join(map(str, shape)) or 'scalar'} {_size(numel * dtype.itemsize)}"
+    )
 
 
 def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
@@ -32,24 +66,10 @@ def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
         yield path, value
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def _inspect(path: Path, out: Any) -> int:
+def _inspect_file(path: Path, out: TextIO) -> int:
     trailer = integrity.read_trailer(path)
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    origin = (
-        f"written by ignite_zero {trailer.get('ignite_zero')} with torch {trailer.get('torch')} on "
-        f"{trailer.get('world_size')} rank(s)"
-        if trailer
-        else "no ignite_zero trailer (written by another tool)"
-    )
-    print(f"{path}: {_size(path.stat().st_size)}, {origin}", file=out)
+    print(f"{path}: {_size(path.stat().st_size)}, {_origin(trailer, 'integrity trailer')}", file=out)
     objects = state.items() if isinstance(state, Mapping) else [("(state)", state)]
     for name, value in objects:
         leaves = list(_leaves(value, ""))
@@ -58,8 +78,7 @@ def _inspect(path: Path, out: Any) -> int:
         print(f"{name}: {type(value).__name__}, {len(tensors)} tensors, {_size(total)}", file=out)
         for key, leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                shape = "x".join(map(str, leaf.shape)) or "scalar"
-                detail = f"{str(leaf.dtype).removeprefix('torch.')} {shape} {_size(leaf.numel() * leaf.element_size())}"
+                detail = _describe(leaf.dtype, tuple(leaf.shape))
             else:
                 text = repr(leaf)
                 detail = text if len(text) <= 60 else text[:57] + "..."
@@ -67,39 +86,161 @@ def _inspect(path: Path, out: Any) -> int:
     return 0
 
 
-def _verify(path: Path, out: Any) -> int:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a missing trailer is reported below, as the outcome
-        trailer = integrity.verify_file(path)
-    if trailer is None:
-        print(f"{path}: no integrity trailer to verify against (written by another tool)", file=out)
-        return 2
-    print(f"{path}: OK ({_size(path.stat().st_size)}, CRC-32 of every record and of the directory match)", file=out)
+def _inspect_directory(path: Path, out: TextIO) -> int:
+    manifest = sharded.read_manifest(path)
+    metadata = sharded.read_metadata(path)
+    files = sorted(p for p in path.iterdir() if p.is_file())
+    total = sum(p.stat().st_size for p in files)
+    print(f"{path}: sharded, {len(files)} files, {_size(total)}, {_origin(manifest, 'manifest')}", file=out)
+    by_object: dict[str, list[tuple[str, Any]]] = {}
+    for name, storage in metadata.state_dict_metadata.items():
+        entry_path = sharded.path_of(metadata, name)
+        by_object.setdefault(str(entry_path[0]), []).append((".".join(map(str, entry_path[1:])), storage))
+    for name, entries in by_object.items():
+        tensors = [s for _, s in entries if isinstance(s, TensorStorageMetadata)]
+        nbytes = sum(s.size.numel() * s.properties.dtype.itemsize for s in tensors)
+        print(f"{name}: {len(tensors)} tensors, {_size(nbytes)}", file=out)
+        for key, storage in entries:
+            if isinstance(storage, TensorStorageMetadata):
+                detail = f"{_describe(storage.properties.dtype, tuple(storage.size))}, {len(storage.chunks)} shard(s)"
+            else:
+                detail = "value"
+            print(f"  {key or '(value)'}: {detail}", file=out)
     return 0
 
 
+def _verify(path: Path, out: TextIO) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a missing trailer or manifest is reported below, as the outcome
+        facts = sharded.verify(path) if path.is_dir() else integrity.verify_file(path)
+    if facts is None:
+        what = "manifest" if path.is_dir() else "integrity trailer"
+        print(f"{path}: no {what} to verify against (written by another tool)", file=out)
+        return 2
+    if path.is_dir():
+        print(f"{path}: OK ({len(facts['files'])} files, sizes and CRC-32 match the manifest)", file=out)
+    else:
+        size = _size(path.stat().st_size)
+        print(f"{path}: OK ({size}, CRC-32 of every record and of the directory match)", file=out)
+    return 0
+
+
+def _consolidate(source: Path, target: Path, out: TextIO) -> int:
+    """One file from a sharded checkpoint: what ``Checkpoint.load_objects`` reads anywhere, even without ranks."""
+    if target.exists():
+        print(f"ignite-zero: {target} exists; consolidate never overwrites: choose another name", file=sys.stderr)
+        return 1
+    if not source.is_dir():
+        print(f"ignite-zero: {source} is not a sharded checkpoint directory", file=sys.stderr)
+        return 1
+    started = time.perf_counter()
+    sharded.verify(source)
+    metadata = sharded.read_metadata(source)
+    names = list(metadata.state_dict_metadata)
+    sizes = {name: _nbytes(metadata.state_dict_metadata[name]) for name in names}
+    total = sum(sizes.values())
+    progress = _Progress(total)
+    flat: dict[str, Any] = {}
+    for batch in _batches(names, sizes):  # the whole state is held at the end; batches only show progress
+        wanted = set(batch)
+        part = sharded.template(metadata, lambda p, wanted=wanted: sharded.name_of(p) in wanted)
+        sharded.load(part, source)
+        flat.update(part)
+        progress.advance(sum(sizes[name] for name in batch))
+    state = {key: with_index_keys(value) for key, value in sharded.nest(metadata, flat).items()}
+    DiskSaver(target.parent, require_empty=False, save_on_rank=0)(state, target.name)
+    progress.close()
+    print(f"{target}: {_size(target.stat().st_size)} from {source} in {time.perf_counter() - started:.1f} s", file=out)
+    return 0
+
+
+def _nbytes(storage: Any) -> int:
+    if isinstance(storage, TensorStorageMetadata):
+        return storage.size.numel() * storage.properties.dtype.itemsize
+    return 0
+
+
+def _batches(names: list[str], sizes: Mapping[str, int]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    held = 0
+    for name in names:
+        batch.append(name)
+        held += sizes[name]
+        if held >= _BATCH_BYTES:
+            yield batch
+            batch, held = [], 0
+    if batch:
+        yield batch
+
+
+class _Progress:
+    """A one-line progress bar on a terminal; nothing elsewhere, or for small conversions."""
+
+    def __init__(self, total: int) -> None:
+        self._total, self._done = total, 0
+        self._out = sys.stderr
+        self._shown = sys.stderr.isatty() and total >= 2 * _BATCH_BYTES
+
+    def advance(self, nbytes: int) -> None:
+        self._done += nbytes
+        if self._shown:
+            filled = int(30 * self._done / max(self._total, 1))
+            percent = 100 * self._done / max(self._total, 1)
+            bar = "#" * filled + "." * (30 - filled)
+            print(
+                f"\rconsolidating [{bar}] {percent:3.0f}% of {_size(self._total)}", end="", file=self._out, flush=True
+            )
+
+    def close(self) -> None:
+        if self._shown:
+            print(file=self._out)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ignite-zero", description="Inspect and verify ignite_zero checkpoints.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    inspect = commands.add_parser("inspect", help="list the objects, tensors, shapes, dtypes and sizes of a checkpoint")
-    inspect.add_argument("path", type=Path, help="checkpoint file")
-    verify = commands.add_parser(
-        "verify", help="check a checkpoint against its integrity trailer; exit 1 if corrupt, truncated or incomplete"
+    parser = argparse.ArgumentParser(
+        prog="ignite-zero", description="Inspect, verify and consolidate ignite_zero checkpoints."
     )
-    verify.add_argument("path", type=Path, help="checkpoint file")
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect = commands.add_parser(
+        "inspect",
+        help="list the objects, tensors, shapes, dtypes and sizes of a checkpoint, and how it was written",
+        description="List the objects, tensors, shapes, dtypes and sizes of a checkpoint file or sharded "
+        "checkpoint directory, with the world size and the torch version it was saved with.",
+    )
+    inspect.add_argument("path", type=Path, help="checkpoint file, or sharded checkpoint directory")
+    verify = commands.add_parser(
+        "verify",
+        help="check a checkpoint against its checksums; exit 1 if it is corrupt, truncated or incomplete",
+        description="Check a checkpoint file against its integrity trailer, or a sharded directory against its "
+        "manifest. Exit status: 0 when it matches, 1 when it is corrupt, truncated or incomplete, 2 when it "
+        "carries nothing to check against.",
+    )
+    verify.add_argument("path", type=Path, help="checkpoint file, or sharded checkpoint directory")
+    consolidate = commands.add_parser(
+        "consolidate",
+        help="turn a sharded checkpoint directory into one file that loads anywhere",
+        description="Read a sharded checkpoint directory whole and write it as one checkpoint file, which "
+        "Checkpoint.load_objects reads on any number of ranks or in one process. Holds the whole state in "
+        "memory; never overwrites.",
+    )
+    consolidate.add_argument("source", type=Path, help="sharded checkpoint directory (.dcp)")
+    consolidate.add_argument("target", type=Path, help="checkpoint file to write; must not exist")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     args = _parser().parse_args(argv)
-    if not args.path.exists():
-        print(f"ignite-zero: {args.path} does not exist", file=sys.stderr)
+    path = args.source if args.command == "consolidate" else args.path
+    if not path.exists():
+        print(f"ignite-zero: {path} does not exist", file=sys.stderr)
         return 1
     try:
         if args.command == "inspect":
-            return _inspect(args.path, sys.stdout)
-        return _verify(args.path, sys.stdout)
+            return _inspect_directory(path, sys.stdout) if path.is_dir() else _inspect_file(path, sys.stdout)
+        if args.command == "verify":
+            return _verify(path, sys.stdout)
+        return _consolidate(args.source, args.target, sys.stdout)
     except integrity.IntegrityError as error:
         print(f"ignite-zero: {error}", file=sys.stderr)
         return 1

@@ -3,9 +3,14 @@
 import subprocess
 import sys
 
+import pytest
 import torch
+from ignite.engine import Engine
+from launcher import run_ranks
+from torch.nn.parallel import DistributedDataParallel
+from training import assert_state_equal, tiny_model, train_step, zero_adam
 
-from ignite_zero import DiskSaver
+from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
 
 
 def _cli(*args):
@@ -52,6 +57,43 @@ def test_verify_of_a_file_without_trailer(tmp_path):
 
 
 def test_help_for_each_command():
-    for command in ("inspect", "verify"):
+    for command in ("inspect", "verify", "consolidate"):
         result = _cli(command, "--help")
-        assert result.returncode == 0 and "usage: ignite-zero" in result.stdout
+        assert result.returncode == 0 and f"usage: ignite-zero {command}" in result.stdout
+
+
+def _sharded_checkpoint(rank, world_size, dirname):
+    model = DistributedDataParallel(tiny_model())
+    optimizer = zero_adam(model)
+    train_step(model, optimizer, rank, 0)
+    Checkpoint({"model": model, "optimizer": optimizer}, ShardedSaver(dirname))(Engine(lambda e, b: None))
+    optimizer.consolidate_state_dict(to=0)
+    return optimizer.state_dict() if rank == 0 else None
+
+
+@pytest.mark.distributed
+def test_sharded_directories_inspected_verified_and_consolidated(tmp_path):
+    optimizer_state = run_ranks(_sharded_checkpoint, 2, tmp_path / "ckpt")[0]
+    directory = tmp_path / "ckpt" / "checkpoint_0.dcp"
+
+    result = _cli("inspect", directory)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "sharded, 4 files" in lines[0] and f"with torch {torch.__version__} on 2 rank(s)" in lines[0]
+    assert "  0.weight: float32 5x7 140 B, 1 shard(s)" in lines
+    assert "  state.0.exp_avg: float32 5x7 140 B, 1 shard(s)" in lines
+
+    assert _cli("verify", directory).returncode == 0
+    target = tmp_path / "one.pt"
+    result = _cli("consolidate", directory, target)
+    assert result.returncode == 0, result.stderr
+    consolidated = torch.load(target, weights_only=True)
+    assert_state_equal(consolidated["optimizer"], optimizer_state)
+    result = _cli("consolidate", directory, target)
+    assert result.returncode == 1 and "never overwrites" in result.stderr
+
+    data = bytearray((directory / "__0_0.distcp").read_bytes())
+    data[-100] ^= 0xFF
+    (directory / "__0_0.distcp").write_bytes(bytes(data))
+    result = _cli("verify", directory)
+    assert result.returncode == 1 and "file __0_0.distcp is corrupt" in result.stderr
