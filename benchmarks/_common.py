@@ -28,8 +28,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
-__all__ = ["Measurement", "launch", "measure", "scratch_directory", "summary"]
+__all__ = [
+    "Measurement",
+    "ZeROParameters",
+    "fsync",
+    "launch",
+    "measure",
+    "scratch_directory",
+    "summary",
+    "zero_adam_after_one_step",
+]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -148,6 +159,36 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     if errors:
         raise errors[0]
     return [collected[rank] for rank in range(world_size)]
+
+
+class ZeROParameters(nn.Module):
+    """``count`` parameters in tensors of 4M: ``ZeroRedundancyOptimizer`` spreads whole tensors over ranks."""
+
+    _TENSOR = 4 * 2**20
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        sizes = [self._TENSOR] * (count // self._TENSOR) + ([count % self._TENSOR] if count % self._TENSOR else [])
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(size) * 0.01) for size in sizes)
+
+
+def zero_adam_after_one_step(model: nn.Module) -> ZeroRedundancyOptimizer:
+    """Adam under ZeRO, with its state created by one step."""
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def fsync(path: Path) -> None:
+    """Flush a file to disk, as the savers do."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def summary(values: Sequence[float]) -> tuple[float, float, float]:

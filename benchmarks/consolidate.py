@@ -24,7 +24,6 @@ directory.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 from pathlib import Path
@@ -32,42 +31,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import launch, measure, scratch_directory, summary
+from _common import ZeROParameters, fsync, launch, measure, scratch_directory, summary, zero_adam_after_one_step
 from ignite.engine import Engine
 from ignite.handlers import Checkpoint as IgniteCheckpoint
 from ignite.handlers import DiskSaver as IgniteDiskSaver
-from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ignite_zero import Checkpoint, DiskSaver
 from ignite_zero.adapters import ZeROState
 
 PATHS = ("ignite_zero", "ignite", "torch.save")
-_TENSOR = 4 * 2**20  # parameters per tensor: ZeRO spreads whole tensors over ranks
-
-
-class _Parameters(nn.Module):
-    def __init__(self, count: int) -> None:
-        super().__init__()
-        sizes = [_TENSOR] * (count // _TENSOR) + ([count % _TENSOR] if count % _TENSOR else [])
-        self.weights = nn.ParameterList(nn.Parameter(torch.randn(size) * 0.01) for size in sizes)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rank(rank: int, world_size: int, count: int, runs: int, directory: Path) -> dict[str, Any]:
-    model = _Parameters(count)
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 1e-3)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    model = ZeROParameters(count)
+    optimizer = zero_adam_after_one_step(model)
     to_save = {"model": model, "optimizer": optimizer}
     ours = Checkpoint(
         to_save,
@@ -100,7 +77,7 @@ def _rank(rank: int, world_size: int, count: int, runs: int, directory: Path) ->
             return None
         path = directory / "floor.pt"
         torch.save(full, path)
-        _fsync(path)
+        fsync(path)
         return path
 
     operations = {

@@ -207,7 +207,7 @@ def _wait_for_all(store: dist.Store, key: str, rank: int, world_size: int, what:
                 return
             raise _timeout_error(rank, missing, world_size, what, timeout)
         time.sleep(pause)
-        pause = min(pause * 2, 0.02)
+        pause = min(pause * 2, _longest_pause(world_size))
 
 
 def _timeout_error(rank: int, missing: list[int], world_size: int, what: str, timeout: float) -> CollectiveTimeoutError:
@@ -240,7 +240,12 @@ def _leave_together(store: dist.Store, key: str, rank: int, world_size: int, tim
     pause = 0.0005
     while store.add(f"{key}/done", 0) < world_size and time.monotonic() < deadline:
         time.sleep(pause)
-        pause = min(pause * 2, 0.02)
+        pause = min(pause * 2, _longest_pause(world_size))
+
+
+def _longest_pause(world_size: int) -> float:
+    """Seconds between two looks at the store: short for few ranks, longer for many (each look costs the store)."""
+    return min(0.05, 0.001 * world_size)
 
 
 def _silence(store: dist.Store, rank: int) -> float:
