@@ -11,9 +11,12 @@ when freed: otherwise glibc reuses freed memory and the growth of a later operat
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import multiprocessing
 import os
+import queue
+import shutil
 import statistics
 import tempfile
 import threading
@@ -34,6 +37,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 __all__ = [
     "Measurement",
     "ZeROParameters",
+    "arguments",
+    "each_configuration",
     "fsync",
     "launch",
     "measure",
@@ -152,7 +157,18 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
         ]
         for process in processes:
             process.start()
-        collected = dict(results.get() for _ in processes)
+        collected: dict[int, Any] = {}
+        while len(collected) < world_size:
+            try:
+                rank, value = results.get(timeout=1.0)
+                collected[rank] = value
+            except queue.Empty:
+                dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in collected]
+                if dead:  # e.g. killed for memory: its peers may wait for it forever
+                    for process in processes:
+                        process.kill()
+                    codes = [processes[r].exitcode for r in dead]
+                    raise RuntimeError(f"ranks {dead} died (exit codes {codes})") from None
         for process in processes:
             process.join()
     errors = [value for value in collected.values() if isinstance(value, Exception)]
@@ -189,6 +205,37 @@ def fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def arguments(
+    description: str, params: list[float], argv: list[str] | None, paths: Sequence[str] = ()
+) -> argparse.Namespace:
+    """The command line every benchmark takes: sizes, world sizes, runs, and which of its ``paths`` to run."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=float, nargs="+", default=params, help="parameters of the model")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--runs", type=int, default=5, help="measured rounds after the warm-up round")
+    if paths:
+        parser.add_argument("--paths", nargs="+", choices=paths, default=list(paths), help="what to measure")
+    return parser.parse_args(argv)
+
+
+def each_configuration(
+    rank_fn: Callable[..., Any], args: argparse.Namespace, name: str, table: Callable[[dict[tuple[int, int], Any]], str]
+) -> None:
+    """``rank_fn(rank, world_size, parameters, runs, directory, *paths)`` on every size and world size, each in a
+    scratch directory of its own; print the table of the ranks' results by ``(parameters, world size)`` as each
+    configuration ends (a long run shows what it has)."""
+    directory = scratch_directory() / f"ignite_zero-{name}"
+    results = {}
+    for count in map(int, args.params):
+        for world_size in args.world_sizes:
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+            paths = getattr(args, "paths", ())
+            results[(count, world_size)] = launch(rank_fn, world_size, count, args.runs, directory, *paths)
+            print(f"{count / 1e6:.0f}M parameters on {world_size} ranks:\n{table(results)}\n", flush=True)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def summary(values: Sequence[float]) -> tuple[float, float, float]:

@@ -23,15 +23,21 @@ directory.
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import ZeROParameters, fsync, launch, measure, scratch_directory, summary, zero_adam_after_one_step
+from _common import (
+    ZeROParameters,
+    arguments,
+    each_configuration,
+    fsync,
+    measure,
+    summary,
+    zero_adam_after_one_step,
+)
 from ignite.engine import Engine
 from ignite.handlers import Checkpoint as IgniteCheckpoint
 from ignite.handlers import DiskSaver as IgniteDiskSaver
@@ -42,7 +48,7 @@ from ignite_zero.adapters import ZeROState
 PATHS = ("ignite_zero", "ignite", "torch.save")
 
 
-def _rank(rank: int, world_size: int, count: int, runs: int, directory: Path) -> dict[str, Any]:
+def _rank(rank: int, world_size: int, count: int, runs: int, directory: Path, *paths: str) -> dict[str, Any]:
     model = ZeROParameters(count)
     optimizer = zero_adam_after_one_step(model)
     to_save = {"model": model, "optimizer": optimizer}
@@ -85,9 +91,9 @@ def _rank(rank: int, world_size: int, count: int, runs: int, directory: Path) ->
         "ignite": save_theirs,
         "torch.save": save_floor,
     }
-    records: dict[str, list[tuple[float, int, int]]] = {path: [] for path in PATHS}
+    records: dict[str, list[tuple[float, int, int]]] = {path: [] for path in paths}
     for run in range(runs + 1):  # the first round warms up connections, caches and the allocator
-        order = PATHS[run % 3 :] + PATHS[: run % 3]
+        order = paths[run % len(paths) :] + paths[: run % len(paths)]
         for name in order:
             dist.barrier()
             with measure() as measurement:
@@ -111,9 +117,9 @@ def _table(results: dict[tuple[int, int], list[dict[str, Any]]]) -> str:
     ]
     for (count, world_size), ranks in sorted(results.items()):
         recipient = ranks[0]["records"]
-        medians = {path: statistics.median(s for s, _, _ in recipient[path]) for path in PATHS}
+        medians = {path: statistics.median(s for s, _, _ in recipient[path]) for path in recipient}
         size = recipient["torch.save"][0][2]
-        for path in PATHS:
+        for path in recipient:
             seconds = summary([s for s, _, _ in recipient[path]])
             growth = max(g for _, g, _ in recipient[path])
             others = "-"
@@ -122,31 +128,19 @@ def _table(results: dict[tuple[int, int], list[dict[str, Any]]]) -> str:
                     max(g for _, g, _ in ranks[r]["records"][path]) / ranks[r]["shard"] for r in range(1, world_size)
                 )
                 others = f"{100 * worst:.1f}%"
+            versus_ignite = f"{medians['ignite'] / medians[path]:.1f}" if "ignite" in medians else "-"
             rows.append(
                 f"| {count / 1e6:.0f}M | {world_size} | {path} "
                 f"| {seconds[0]:.2f} / {seconds[1]:.2f} / {seconds[2]:.2f} "
                 f"| {size / 1e9 / seconds[1]:.2f} | {medians[path] / medians['torch.save']:.2f} "
-                f"| {medians['ignite'] / medians[path]:.1f} | {growth / 1e9:.2f} GB ({growth / size:.2f}) | {others} |"
+                f"| {versus_ignite} | {growth / 1e9:.2f} GB ({growth / size:.2f}) | {others} |"
             )
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", type=float, nargs="+", default=[25e6, 100e6])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--runs", type=int, default=5, help="measured rounds after the warm-up round")
-    args = parser.parse_args(argv)
-    directory = scratch_directory() / "ignite_zero-consolidate"
-    results = {}
-    for count in map(int, args.params):
-        for world_size in args.world_sizes:
-            shutil.rmtree(directory, ignore_errors=True)
-            directory.mkdir(parents=True)
-            results[(count, world_size)] = launch(_rank, world_size, count, args.runs, directory)
-            print(f"done: {count / 1e6:.0f}M parameters on {world_size} ranks", flush=True)
-    shutil.rmtree(directory, ignore_errors=True)
-    print(_table(results))
+    args = arguments(__doc__, [25e6, 100e6], argv, PATHS)
+    each_configuration(_rank, args, "consolidate", _table)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ ratios the targets are stated in: sharded / dcp.save, async stall / memcpy, sync
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import time
@@ -33,7 +32,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import ZeROParameters, launch, scratch_directory, summary, zero_adam_after_one_step
+from _common import (
+    ZeROParameters,
+    arguments,
+    each_configuration,
+    summary,
+    zero_adam_after_one_step,
+)
 from ignite.engine import Engine
 
 from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
@@ -134,21 +139,8 @@ def _table(results: dict[tuple[int, int], list[dict[str, list[float]]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", type=float, nargs="+", default=[100e6])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--runs", type=int, default=5, help="measured rounds after the warm-up round")
-    args = parser.parse_args(argv)
-    directory = scratch_directory() / "ignite_zero-sharded"
-    results = {}
-    for count in map(int, args.params):
-        for world_size in args.world_sizes:
-            shutil.rmtree(directory, ignore_errors=True)
-            directory.mkdir(parents=True)
-            results[(count, world_size)] = launch(_rank, world_size, count, args.runs, directory)
-            print(f"done: {count / 1e6:.0f}M parameters on {world_size} ranks", flush=True)
-    shutil.rmtree(directory, ignore_errors=True)
-    print(_table(results))
+    args = arguments(__doc__, [100e6], argv)
+    each_configuration(_rank, args, "sharded", _table)
 
 
 if __name__ == "__main__":

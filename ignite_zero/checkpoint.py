@@ -3,7 +3,9 @@
 :class:`Checkpoint` keeps the behaviour of :class:`ignite.handlers.Checkpoint` and makes it correct for
 sharded state: every rank calls it, the ranks first agree on what to save (the recipient's decision wins),
 sharded objects are consolidated on the recipient, the recipient alone writes, and every rank learns the
-outcome, so that an error on one rank is an error on all of them instead of a hang.
+outcome, so that an error on one rank is an error on all of them instead of a hang. With a
+:class:`~ignite_zero.ShardedSaver` every rank writes its own part instead; with ``async_save`` the training
+loop waits only for a copy of each rank's part, and the rest runs in a thread.
 """
 
 from __future__ import annotations
@@ -198,8 +200,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             engine.add_event_handler(Events.EXCEPTION_RAISED, self._wait_then_raise)
             self._followed.add(engine)
         self.wait()
-        objects = adapt(self.to_save, self.consolidate_recipient_rank)
-        plan = self._agree(engine, objects)
+        objects, plan = self._agree(engine)
         if plan is None:
             return
         if self.async_save:
@@ -222,16 +223,18 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             raise pending.error
         self._finish(pending.engine, pending.plan)
 
-    def _agree(self, engine: Engine, objects: Any) -> _SavePlan | None:
-        """Every rank's plan to the others; the recipient's is the one followed."""
+    def _agree(self, engine: Engine) -> tuple[Any, _SavePlan | None]:
+        """Every rank's plan to the others; return the objects to save and the recipient's plan, followed by all."""
         rank, _ = rank_and_world()
-        plan, failure = None, None
+        objects, plan, failure = None, None, None
         try:
+            objects = adapt(self.to_save, self.consolidate_recipient_rank)
             plan = self._plan(engine)
             map_objects(objects, lambda _, obj: obj.check() if isinstance(obj, ShardedState) else None)
         except Exception as error:
             failure = error
-        proposals = settle(failure, what="checkpoint save", timeout=self.sync_timeout, payload=(plan, _layout(objects)))
+        payload = (plan, _layout(self.to_save))
+        proposals = settle(failure, what="checkpoint save", timeout=self.sync_timeout, payload=payload)
         _check_layouts([proposed_layout for _, proposed_layout in proposals])
         agreed: _SavePlan | None = proposals[self.consolidate_recipient_rank][0]
         if plan != agreed:
@@ -243,7 +246,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                 self.consolidate_recipient_rank,
                 _summary(agreed),
             )
-        return agreed
+        return objects, agreed
 
     def _save_now(self, engine: Engine, objects: Any, plan: _SavePlan) -> None:
         failure = None

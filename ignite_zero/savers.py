@@ -24,6 +24,8 @@ from typing import IO, Any
 import torch
 import torch.distributed.checkpoint as dcp
 from ignite.handlers.checkpoint import BaseSaveHandler
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from ignite_zero import _compat, integrity, sharded
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
@@ -278,7 +280,7 @@ class ShardedSaver(_DirectorySaver):
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"Argument `thread_count` should be a positive integer, got {thread_count!r}")
         self.thread_count = thread_count
-        self._writers: dict[Path, sharded.ChecksummingWriter] = {}  # kept by asynchronous saves, with their copies
+        self._async_writer: sharded.ChecksummingWriter | None = None  # kept, with its host copies, between saves
         super().__init__(dirname, create_dir, require_empty, save_on_rank)
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
@@ -303,12 +305,12 @@ class ShardedSaver(_DirectorySaver):
             timeout: seconds ranks wait for each other around the write.
             stream: stream of agreement rounds (see :func:`ignite_zero.agreement.agree`).
         """
-        partial, writer = self._begin(filename, timeout, stream, cache=False)
+        partial, writer = self._begin(state, filename, timeout, stream, cache=False)
         failure = None
         started = time.perf_counter()
         try:
             dcp.save(dict(state), storage_writer=writer, process_group=group)
-        except Exception as error:
+        except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException
             failure = error
         self._commit(filename, partial, writer, failure, timeout, stream, started)
 
@@ -321,7 +323,7 @@ class ShardedSaver(_DirectorySaver):
         DCP keeps the host copies for the next save (``cache_staged_state_dict``); ``group`` must be a gloo group
         of its own (see :func:`ignite_zero.transport.cpu_group`), since DCP's collectives then run beside training.
         """
-        partial, writer = self._begin(filename, timeout, stream, cache=True)
+        partial, writer = self._begin(state, filename, timeout, stream, cache=True)
         started = time.perf_counter()
         future = dcp.async_save(dict(state), storage_writer=writer, process_group=group)
 
@@ -329,32 +331,54 @@ class ShardedSaver(_DirectorySaver):
             failure = None
             try:
                 future.result()
-            except Exception as error:
+            except (Exception, CheckpointException) as error:
                 failure = error
             self._commit(filename, partial, writer, failure, timeout, stream, started)
 
         return finish
 
     def _begin(
-        self, filename: str, timeout: float, stream: str, cache: bool
+        self, state: Mapping, filename: str, timeout: float, stream: str, cache: bool
     ) -> tuple[Path, sharded.ChecksummingWriter]:
-        """Collective: the writing rank clears what an interrupted save left and makes the temporary directory."""
+        """Collective: the writing rank clears what an interrupted save left and makes the temporary directory;
+        every rank learns whether the parts of all ranks fit on the disk."""
         final = self.path(filename)
         partial = final.with_name(f".{final.name}.ignite_zero-partial.tmp")
-        failure = None
+        failure, free = None, None
         if self.is_writer:
             try:
                 self._prepare()
                 self._remove_temporaries()
                 partial.mkdir()
+                free = shutil.disk_usage(self.dirname).free
             except Exception as error:
                 failure = error
-        settle(failure, what=f"preparation of {filename}", timeout=timeout, stream=stream)
-        writer = self._writers.get(partial) if cache else None
-        if writer is None:
-            writer = sharded.ChecksummingWriter(partial, self.thread_count, cache_staged_state_dict=cache)
-            if cache:
-                self._writers[partial] = writer
+        # an upper estimate: objects that every rank holds are counted on each, though written once
+        reports = settle(
+            failure,
+            what=f"preparation of {filename}",
+            timeout=timeout,
+            stream=stream,
+            payload=(serialized_size(state), free),
+        )
+        needed = sum(size for size, _ in reports)
+        free = next(space for _, space in reports if space is not None)
+        if needed > free:
+            raise OSError(
+                errno.ENOSPC,
+                f"Not enough disk space for checkpoint {final}: its parts need up to {needed / 1e6:.1f} MB, "
+                f"{free / 1e6:.1f} MB are free (older checkpoints are removed only after the new one is written). "
+                "Free some space, write elsewhere, or lower `n_saved`.",
+            )
+        if not cache:
+            writer = sharded.ChecksummingWriter(partial, self.thread_count)
+        else:  # one writer for every asynchronous save: its host copies are reused
+            if self._async_writer is None:
+                self._async_writer = sharded.ChecksummingWriter(
+                    partial, self.thread_count, cache_staged_state_dict=True
+                )
+            writer = self._async_writer
+            writer.reset(partial)
         writer.written.clear()
         return partial, writer
 
@@ -445,6 +469,12 @@ def serialized_size(obj: Any) -> int:
 
     def visit(value: Any) -> None:
         nonlocal count
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if callable(getattr(value, "local_shards", None)):  # a ShardedTensor: this rank's shards are its part
+            for shard in value.local_shards():
+                visit(shard.tensor)
+            return
         if isinstance(value, torch.Tensor):
             storage = value.untyped_storage()
             storages[storage.data_ptr() if storage.nbytes() else id(value)] = storage.nbytes()

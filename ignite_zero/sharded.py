@@ -126,8 +126,12 @@ class ChecksummingWriter(FileSystemWriter):
         if not self.cache_staged_state_dict:
             return super().stage(state_dict)
         create, copy = _compat.dcp_host_copies()
-        if self._copies is None:
-            self._copies = create(state_dict, pin_memory=torch.cuda.is_available())
+        if self._copies is not None:
+            try:
+                return copy(state_dict, self._copies)
+            except (KeyError, RuntimeError):  # another layout than last time: new copies
+                self._copies = None
+        self._copies = create(state_dict, pin_memory=torch.cuda.is_available())
         return copy(state_dict, self._copies)
 
     @property

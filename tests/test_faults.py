@@ -27,6 +27,8 @@ from ignite_zero import (
     DiskSaver,
     IntegrityError,
     RankFailureError,
+    ShardedSaver,
+    sharded,
     verify_file,
 )
 
@@ -389,3 +391,52 @@ def test_an_unfit_optimizer_entry_loads_nothing_at_all(tmp_path):
     state = {"model": tiny_model(seed=8).state_dict(), "optimizer": optimizer.state_dict()}
     DiskSaver(tmp_path)(state, "mixed.pt")
     run_ranks(_optimizer_of_another_model, 2, tmp_path / "mixed.pt")
+
+
+def _sharded_save_with_fault(rank, world_size, dirname, fault, width):
+    model = DistributedDataParallel(_model(width))
+    optimizer = zero_adam(model)
+    checkpoint = Checkpoint(
+        {"model": model, "optimizer": optimizer},
+        ShardedSaver(dirname, require_empty=False),
+        n_saved=1,
+        consolidate_recipient_rank=1,
+        sync_timeout=SYNC_TIMEOUT,
+    )
+    engine = Engine(lambda e, b: None)
+    for iteration in (1, 2):
+        model(torch.randn(4, width)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        engine.state.iteration = iteration
+        if iteration == 2 and fault == "EIO while writing" and rank == 0:
+
+            def failing_write_data(self, plan, planner):
+                raise OSError(errno.EIO, "Input/output error")
+
+            sharded.ChecksummingWriter.write_data = failing_write_data
+        try:
+            checkpoint(engine)
+        except (RankFailureError, CollectiveTimeoutError) as error:
+            return type(error).__name__, str(error), str(checkpoint.last_checkpoint)
+    return None
+
+
+@pytest.mark.distributed
+def test_a_failed_sharded_write_raises_on_every_rank(tmp_path):
+    results = run_ranks(_sharded_save_with_fault, 2, tmp_path, "EIO while writing", 64, timeout=60)
+    for kind, message, last in results:
+        assert kind == "RankFailureError" and "Input/output error" in message
+        assert last == str(tmp_path / "checkpoint_1.dcp")
+    sharded.verify(tmp_path / "checkpoint_1.dcp")
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == ["checkpoint_1.dcp"]
+
+
+@pytest.mark.distributed
+def test_a_full_disk_fails_a_sharded_save_before_writing(small_disk):
+    results = run_ranks(_sharded_save_with_fault, 2, small_disk, "ENOSPC before writing", 512, timeout=60)
+    for kind, message, _ in results:
+        assert kind == "RankFailureError" and "Not enough disk space for checkpoint" in message
+    sharded.verify(small_disk / "checkpoint_1.dcp")
+    model = _model(512)
+    Checkpoint.load_objects({"model": model}, small_disk / "checkpoint_1.dcp")

@@ -7,53 +7,16 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 from launcher import run_ranks
-from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from training import assert_state_equal, tiny_model, train_step, zero_adam
+from training import assert_state_equal, mixed_objects, small_net, tiny_model, train_step, zero_adam
 
 from ignite_zero import Checkpoint, IntegrityError, ShardedSaver, sharded
 
 pytestmark = pytest.mark.distributed
 
 
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(7, 9), nn.ReLU(), nn.Sequential(nn.Linear(9, 5), nn.Linear(5, 3)))
-
-
-def _shard(net: nn.Module, kind: str) -> nn.Module:
-    if kind == "fsdp1":
-        return FullyShardedDataParallel(net, device_id=torch.device("cpu"), use_orig_params=True)
-    fully_shard(net[2])
-    return fully_shard(net)
-
-
-def _objects(rank: int, kind: str, seed: int = 0) -> dict:
-    """An FSDP model and its optimizer, a DDP model with a ZeRO optimizer, a trainer."""
-    model = _shard(_net(), kind)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    side = DistributedDataParallel(tiny_model(seed))
-    side_optimizer = zero_adam(side)
-
-    def step(engine, _):
-        generator = torch.Generator().manual_seed(engine.state.iteration)
-        model(torch.randn(4, 7, generator=generator)).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        train_step(side, side_optimizer, rank, engine.state.iteration)
-
-    return {
-        "model": model,
-        "optimizer": optimizer,
-        "side_model": side,
-        "side_optimizer": side_optimizer,
-        "trainer": Engine(step),
-    }
-
-
 def _save(rank, world_size, dirname, kind):
-    objects = _objects(rank, kind)
+    objects = mixed_objects(kind, rank)
     trainer = objects["trainer"]
     checkpoint = Checkpoint(objects, ShardedSaver(dirname), n_saved=1, consolidate_recipient_rank=world_size - 1)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpoint)
@@ -85,7 +48,7 @@ def test_a_sharded_checkpoint_is_a_sealed_directory_with_one_file_per_rank(saved
 
 
 def _load(rank, world_size, directory, kind):
-    objects = _objects(rank, kind, seed=7)
+    objects = mixed_objects(kind, rank, seed=7)
     Checkpoint.load_objects(objects, directory / "checkpoint_4.dcp")
     again = {k: v for k, v in objects.items() if k != "trainer"}
     Checkpoint(again, directory / f"again{world_size}")(Engine(lambda e, b: None))
@@ -103,7 +66,7 @@ def test_loads_on_any_number_of_ranks(saved, world_size):
 
 def test_loads_into_plain_objects_without_process_group(saved):
     _, directory = saved
-    model, side = _net(), tiny_model(seed=3)
+    model, side = small_net(), tiny_model(seed=3)
     optimizer, side_optimizer = torch.optim.Adam(model.parameters()), torch.optim.Adam(side.parameters())
     trainer = Engine(lambda e, b: None)
     to_load = {
@@ -122,7 +85,7 @@ def test_loads_into_plain_objects_without_process_group(saved):
 
 
 def _async_and_retention(rank, world_size, dirname):
-    objects = _objects(rank, "fsdp2")
+    objects = mixed_objects("fsdp2", rank)
     trainer = objects["trainer"]
     checkpoint = Checkpoint(
         objects,
@@ -143,7 +106,7 @@ def test_asynchronous_sharded_saves_and_retention(tmp_path):
     assert results == [str(tmp_path / "checkpoint_6.dcp")] * 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_6.dcp", "full"]
     sharded.verify(tmp_path / "checkpoint_6.dcp")
-    model = _net()
+    model = small_net()
     side = tiny_model(seed=3)
     to_load = {"model": model, "side_model": side}
     Checkpoint.load_objects(to_load, tmp_path / "checkpoint_6.dcp")

@@ -6,8 +6,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from ignite.engine import Engine
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
 
 
 def tiny_model(seed: int = 0) -> nn.Module:
@@ -32,6 +35,68 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, st
     loss.backward()
     optimizer.step()
     return loss.item()
+
+
+def small_net() -> nn.Module:
+    """Two FSDP units, and sizes not divisible by 2, 3 or 4 ranks."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 9), nn.ReLU(), nn.Sequential(nn.Linear(9, 5), nn.Linear(5, 3)))
+
+
+def shard(net: nn.Module, kind: str) -> nn.Module:
+    """FSDP1 (``use_orig_params=True``) over the whole net, or FSDP2 over its inner block and then the whole."""
+    if kind == "fsdp1":
+        return FullyShardedDataParallel(net, device_id=torch.device("cpu"), use_orig_params=True)
+    fully_shard(net[2])
+    return fully_shard(net)
+
+
+def mixed_objects(kind: str, rank: int, seed: int = 0) -> dict:
+    """Everything a user would checkpoint: an FSDP model (``kind``: ``"fsdp1"`` or ``"fsdp2"``) with its optimizer,
+    a learning-rate scheduler, a GradScaler, a DDP model with a ZeRO optimizer, a trainer. Each rank sees the same
+    FSDP batches, and its own DDP batches."""
+    model = shard(small_net(), kind)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    side = DistributedDataParallel(tiny_model(seed))
+    side_optimizer = zero_adam(side)
+
+    def step(engine, _):
+        generator = torch.Generator().manual_seed(engine.state.iteration)
+        model(torch.randn(4, 7, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        side(
+            torch.randn(4, 7, generator=torch.Generator().manual_seed(100 * rank + engine.state.iteration))
+        ).sum().backward()
+        side_optimizer.step()
+        side_optimizer.zero_grad()
+
+    trainer = Engine(step)
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "lr_scheduler": scheduler,
+        "scaler": scaler,
+        "side_model": side,
+        "side_optimizer": side_optimizer,
+        "trainer": trainer,
+    }
+
+
+def mixed_twin() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The FSDP model's unsharded twin: the same batches, averaged over identical ranks, give the same steps."""
+    model = small_net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    for iteration in range(1, 5):
+        model(torch.randn(4, 7, generator=torch.Generator().manual_seed(iteration))).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return model, optimizer
 
 
 def assert_state_equal(actual: Any, expected: Any, path: str = "") -> None:
