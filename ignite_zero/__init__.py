@@ -1,6 +1,6 @@
 """ignite_zero: correct, cheap and boring checkpoints of sharded PyTorch training state for PyTorch-Ignite."""
 
-from ignite_zero.adapters import ShardedState, ZeROState
+from ignite_zero.adapters import FSDPModelState, FSDPOptimizerState, ShardedState, ZeROState
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, CollectiveTimeoutError, RankFailureError
 from ignite_zero.checkpoint import Checkpoint, ModelCheckpoint
 from ignite_zero.handlers import ConsolidateZeROHandler
@@ -13,6 +13,8 @@ __all__ = [
     "CollectiveTimeoutError",
     "ConsolidateZeROHandler",
     "DiskSaver",
+    "FSDPModelState",
+    "FSDPOptimizerState",
     "IntegrityError",
     "ModelCheckpoint",
     "RankFailureError",
