@@ -28,7 +28,7 @@ from ignite.engine import Engine, Events
 from ignite.handlers import checkpoint as ignite_checkpoint
 from ignite.handlers.checkpoint import BaseSaveHandler
 
-from ignite_zero import transport
+from ignite_zero import sharded, transport
 from ignite_zero._compat import CheckpointEvents
 from ignite_zero.adapters import ShardedState, adapt, map_objects
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, busy, rank_and_world, settle
@@ -332,11 +332,17 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             pending.error = error
 
     def _sharded_state(self, objects: Any, plan: _SavePlan) -> dict[str, Any]:
-        """This rank's part of a sharded checkpoint: sharded objects' own parts, and the state of the others."""
-        state = map_objects(
-            objects, lambda _, obj: obj.sharded_state_dict() if isinstance(obj, ShardedState) else obj.state_dict()
-        )
-        if self.include_self:
+        """This rank's part of a sharded checkpoint: sharded objects' own parts, and its share of the others."""
+        rank, world_size = rank_and_world()
+        keeper = self.consolidate_recipient_rank
+
+        def part(_: str, obj: Any) -> Any:
+            if isinstance(obj, ShardedState):
+                return obj.sharded_state_dict()
+            return sharded.share(obj.state_dict(), rank, world_size, keeper)
+
+        state = _without_nothing(map_objects(objects, part))
+        if self.include_self and rank == keeper:
             state["checkpointer"] = {"_saved": [list(item) for item in plan.saved]}
         return state
 
@@ -616,6 +622,16 @@ def _resolve_recipient(consolidate_recipient_rank: int | None, save_on_rank: int
             f"[0, {world_size})"
         )
     return recipient
+
+
+def _without_nothing(state: Any) -> Any:
+    """``state`` without the entries this rank keeps none of (``{}`` in their place in lists, whose positions are
+    names)."""
+    if isinstance(state, Mapping):
+        return {key: _without_nothing(value) for key, value in state.items() if value is not sharded.NOTHING}
+    if isinstance(state, list):
+        return [{} if value is sharded.NOTHING else _without_nothing(value) for value in state]
+    return state
 
 
 def _dcp_group(dedicated: bool) -> Any:

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ignite_zero import integrity, sharded
-from ignite_zero.adapters.zero import with_index_keys
+from ignite_zero.adapters.zero import as_saved_optimizer_state
 from ignite_zero.savers import DiskSaver
 
 __all__ = ["main"]
@@ -147,7 +147,7 @@ def _consolidate(source: Path, target: Path, out: TextIO) -> int:
         sharded.load(part, source)
         flat.update(part)
         progress.advance(sum(sizes[name] for name in batch))
-    state = {key: with_index_keys(value) for key, value in sharded.nest(metadata, flat).items()}
+    state = {key: as_saved_optimizer_state(value) for key, value in sharded.nest(metadata, flat).items()}
     DiskSaver(target.parent, require_empty=False, save_on_rank=0)(state, target.name)
     progress.close()
     print(f"{target}: {_size(target.stat().st_size)} from {source} in {time.perf_counter() - started:.1f} s", file=out)

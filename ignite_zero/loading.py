@@ -33,7 +33,7 @@ from torch import nn
 from ignite_zero import integrity, sharded, transport
 from ignite_zero.adapters import ShardedState, adapt, map_objects
 from ignite_zero.adapters.fsdp import full_optimizer_state_to_plain, owns_parameters
-from ignite_zero.adapters.zero import with_index_keys
+from ignite_zero.adapters.zero import as_saved_optimizer_state
 from ignite_zero.agreement import rank_and_world, settle
 
 __all__ = ["restore"]
@@ -185,7 +185,7 @@ def _read_sharded(objects: Mapping, directory: Path, verify: bool) -> Any:
         node: Any = nested
         for step in path:
             node = node[step]
-        return with_index_keys(node)
+        return as_saved_optimizer_state(node)
 
     return _map_paths(objects, entry)
 

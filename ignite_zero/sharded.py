@@ -13,6 +13,7 @@ metadata, or ``DTensor``\\ s of the rank's own shards for FSDP) and DCP fills th
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import warnings
@@ -42,6 +43,7 @@ __all__ = [
     "read_manifest",
     "read_metadata",
     "seal",
+    "share",
     "template",
     "verify",
 ]
@@ -271,6 +273,44 @@ def nest(metadata: Metadata, flat: Mapping[str, Any]) -> dict[str, Any]:
         else:
             node[path[-1]] = value
     return nested
+
+
+def share(state: Any, rank: int, world_size: int, keeper: int) -> Any:
+    """This rank's share of a state that every rank holds alike (a DDP model, a trainer): its tensors are dealt
+    round-robin over the ranks, everything else is kept by ``keeper``.
+
+    Every rank then writes, and an asynchronous save stages, about ``1/world_size`` of such objects instead of all
+    of them. Lists holding tensors stay whole with ``keeper`` (their positions are part of the names).
+
+    Returns:
+        The share, or :data:`NOTHING` when this rank keeps none of ``state``.
+    """
+    dealt = itertools.count()
+
+    def deal(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value if next(dealt) % world_size == rank else NOTHING
+        if isinstance(value, Mapping) and any(_holds_tensors(item) for item in value.values()):
+            kept = {key: deal(item) for key, item in value.items()}
+            kept = {key: item for key, item in kept.items() if item is not NOTHING}
+            return kept if kept else NOTHING
+        return value if rank == keeper else NOTHING
+
+    return deal(state)
+
+
+#: What :func:`share` returns for a state of which this rank keeps nothing.
+NOTHING: Any = object()
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensors(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensors(item) for item in value)
+    return False
 
 
 def load(state: dict[str, Any], directory: str | os.PathLike) -> None:

@@ -179,3 +179,25 @@ def test_corrupt_and_missing_files_are_refused(saved, tmp_path):
     (copy / "__1_0.distcp").unlink()
     with pytest.raises(IntegrityError, match=r"file __1_0.distcp is missing"):
         sharded.verify(copy)
+
+
+def _before_the_first_step(rank, world_size, dirname):
+    model = DistributedDataParallel(tiny_model())
+    zero = zero_adam(model)
+    plain = torch.optim.Adam(tiny_model(seed=1).parameters())
+    Checkpoint({"model": model, "zero": zero, "plain": plain}, ShardedSaver(dirname))(Engine(lambda e, b: None))
+    Checkpoint.load_objects({"zero": zero, "plain": plain}, dirname / "checkpoint_0.dcp")
+    return zero.optim.state_dict()["state"], plain.state_dict()["state"]
+
+
+def test_optimizers_without_state_yet(tmp_path):
+    """Empty optimizer state leaves no entry in a sharded checkpoint; it is restored empty."""
+    assert run_ranks(_before_the_first_step, 2, tmp_path) == [({}, {})] * 2
+
+
+def test_every_rank_writes_a_share_of_what_all_ranks_hold():
+    state = {"a": torch.zeros(1), "b": {"c": torch.ones(1), "d": 3}, "e": [torch.ones(2)], "f": "x"}
+    shares = [sharded.share(state, rank, 2, keeper=1) for rank in range(2)]
+    assert list(shares[0]) == ["a"] and list(shares[1]) == ["b", "e", "f"]
+    assert list(shares[1]["b"]) == ["c", "d"]  # tensors dealt round-robin; the rest, and lists, with the keeper
+    assert sharded.share({"x": 1}, 0, 2, keeper=1) is sharded.NOTHING

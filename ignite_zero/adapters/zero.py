@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ignite_zero import _compat, transport
 from ignite_zero.adapters.base import ShardedState, copy_structure, group_ranks
 
-__all__ = ["OptimizerStatePart", "ZeROState", "consolidate", "recipient_keyword", "with_index_keys"]
+__all__ = ["OptimizerStatePart", "ZeROState", "consolidate", "recipient_keyword", "as_saved_optimizer_state"]
 
 
 def recipient_keyword(consolidate_state_dict: Callable[..., Any]) -> str | None:
@@ -219,7 +219,7 @@ class ZeROState(ShardedState):
         return None if part is None else {str(index) for index in part.indices}
 
     def load_sharded(self, state: Any) -> None:
-        self.load_state_dict(with_index_keys(state))
+        self.load_state_dict(as_saved_optimizer_state(state))
 
     def part_needed(self) -> OptimizerStatePart | None:
         """The state of the parameters this rank owns: each rank loads only its partition."""
@@ -252,13 +252,18 @@ class ZeROState(ShardedState):
         self.obj.load_state_dict(copy_structure(state_dict))
 
 
-def with_index_keys(state: Any) -> Any:
-    """An optimizer state whose ``state`` is keyed by index as strings (as names in a sharded checkpoint are), with
-    integer keys again; anything else as it is."""
-    entries = state.get("state") if isinstance(state, Mapping) else None
-    if not isinstance(entries, Mapping) or not all(isinstance(key, str) and key.isdigit() for key in entries):
+def as_saved_optimizer_state(state: Any) -> Any:
+    """An optimizer state read back from a sharded checkpoint, as it was saved: ``state`` keyed by integer
+    indices again (names there are strings), and an empty ``state`` restored (it leaves no entry there); any other
+    value as it is."""
+    if not isinstance(state, Mapping) or "param_groups" not in state:
         return state
-    return {**state, "state": dict(sorted((int(key), value) for key, value in entries.items()))}
+    entries = state.get("state", {})
+    if not isinstance(entries, Mapping):
+        return state
+    if all(isinstance(key, str) and key.isdigit() for key in entries):
+        entries = dict(sorted((int(key), value) for key, value in entries.items()))
+    return {**state, "state": entries}
 
 
 def _without_state(state: Mapping[str, Any]) -> dict[str, Any]:
