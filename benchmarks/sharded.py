@@ -13,9 +13,9 @@ Every configuration trains one step of Adam under ``ZeroRedundancyOptimizer`` on
 - ``consolidated``: ``Checkpoint(DiskSaver(...))``: everything gathered on rank 0, one file;
 - ``sharded async`` and ``consolidated async``: the same with ``async_save=True``: the time the training loop
   is blocked (the call's return), then the background write is waited for before the next run;
-- ``memcpy``: one copy of what a sharded asynchronous save stages on each rank (the model, which every rank
-  holds, and the rank's optimizer shard) into buffers allocated beforehand: the least staging has to do, and the
-  yardstick of the asynchronous stall.
+- ``memcpy``: one copy of what a sharded asynchronous save stages on each rank (its share of the model, which
+  every rank holds, and its optimizer shard) into buffers allocated beforehand: the least staging has to do, and
+  the yardstick of the asynchronous stall.
 
 It prints the median (and min/max) over the runs of each path, the worst rank's time for the stall, and the
 ratios the targets are stated in: sharded / dcp.save, async stall / memcpy, synchronous save / async stall.
@@ -41,7 +41,7 @@ from _common import (
 )
 from ignite.engine import Engine
 
-from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
+from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, sharded
 from ignite_zero.adapters import ZeROState
 
 PATHS = ("dcp.save", "sharded", "consolidated", "sharded async", "consolidated async", "memcpy")
@@ -65,8 +65,10 @@ def _rank(rank: int, world_size: int, count: int, runs: int, directory: Path) ->
         "sharded async": saver("sharded", True),
         "consolidated async": saver("consolidated", True),
     }
-    # what a sharded asynchronous save stages on every rank: the model (which every rank holds) and its shard
-    parts = _tensors({"model": model.state_dict(), "optimizer": ZeROState(optimizer).sharded_state_dict()})
+    # what a sharded asynchronous save stages on this rank: its share of the model (which every rank holds) and its
+    # optimizer shard
+    share = sharded.share(model.state_dict(), rank, world_size, keeper=0)
+    parts = _tensors({"model": share, "optimizer": ZeROState(optimizer).sharded_state_dict()})
     buffers = [torch.empty_like(t) for t in parts]
 
     def raw_dcp() -> None:
