@@ -321,3 +321,20 @@ def test_the_fast_path_still_finds_where_zero_and_oss_keep_consolidated_state():
     """If torch or fairscale rename the list they merge from, this fails loudly (at run time the optimizers'
     own, slower consolidation takes over)."""
     assert run_ranks(_private_attribute, 2)[0] == ("_all_state_dicts", "_all_states")
+
+
+def _load_leaves_the_dict_alone(rank, world_size, state):
+    import copy
+
+    before = copy.deepcopy(state)
+    optimizer = zero_adam(DistributedDataParallel(tiny_model(seed=4)))
+    Checkpoint.load_objects({"optimizer": optimizer}, state)
+    # ZeroRedundancyOptimizer.load_state_dict sets the entries a rank does not own to None in the dict it is given
+    assert_state_equal(state, before)
+    assert all(value is not None for value in state["optimizer"]["state"].values())
+
+
+def test_load_objects_never_mutates_the_checkpoint_it_is_given(tmp_path):
+    run_ranks(_train_and_save, 2, tmp_path, 1)
+    state = torch.load(tmp_path / "checkpoint_3.pt", weights_only=True)
+    run_ranks(_load_leaves_the_dict_alone, 2, state)
