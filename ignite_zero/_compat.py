@@ -60,15 +60,26 @@ def fairscale_oss_class() -> type | None:
     return OSS
 
 
-def sharded_optimizer_kind(optimizer: Any) -> str | None:
-    """``"zero"`` for torch's ``ZeroRedundancyOptimizer``, ``"oss"`` for fairscale's ``OSS``, else ``None``."""
+def sharded_optimizer_kind(optimizer: Any, genuine: bool = False) -> str | None:
+    """``"zero"`` for torch's ``ZeroRedundancyOptimizer``, ``"oss"`` for fairscale's ``OSS``, else ``None``.
+
+    Args:
+        optimizer: the optimizer, or a proxy of one: ``isinstance`` believes the ``__class__`` that a
+            ``MagicMock(ZeroRedundancyOptimizer, wraps=optimizer)`` claims.
+        genuine: recognise only real instances (of the class or a subclass), whose private lists can be filled.
+    """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    def of(cls: type) -> bool:
+        return issubclass(type(optimizer), cls) if genuine else isinstance(optimizer, cls)
+
+    if of(ZeroRedundancyOptimizer):
         return "zero"
-    if type(optimizer).__module__.startswith("fairscale."):  # avoid importing fairscale (1 s) for others
+    if type(optimizer).__module__.startswith("fairscale.") or getattr(
+        optimizer, "__class__", object
+    ).__module__.startswith("fairscale."):  # avoid importing fairscale (1 s) for others
         oss = fairscale_oss_class()
-        if oss is not None and isinstance(optimizer, oss):
+        if oss is not None and of(oss):
             return "oss"
     return None
 
@@ -80,7 +91,7 @@ def consolidated_state_attribute(optimizer: Any) -> str | None:
     ``optim.state_dict()`` per group rank, in rank order) into the global state. Filling it ourselves lets
     the optimizer's own code do the merge. ``None`` for any other class: use its ``consolidate_state_dict``.
     """
-    name = {"zero": "_all_state_dicts", "oss": "_all_states"}.get(sharded_optimizer_kind(optimizer) or "")
+    name = {"zero": "_all_state_dicts", "oss": "_all_states"}.get(sharded_optimizer_kind(optimizer, genuine=True) or "")
     if name is None or not isinstance(getattr(optimizer, name, None), list) or not hasattr(optimizer, "optim"):
         # Unknown, or the attribute moved upstream: fall back to the optimizer's own consolidation.
         return None

@@ -9,6 +9,9 @@ group itself is never touched, so it stays usable.
 
 Whether a round succeeded is decided once, atomically (``compare_set`` on one key): a rank that arrives after
 the others gave up raises too, instead of running into the next collective alone.
+
+:func:`post` and :func:`peek` leave and read a value without waiting for anyone: what a rank can tell ranks
+that may never come (a save of replicated state called on one rank only).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pickle
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +35,8 @@ __all__ = [
     "RankFailureError",
     "agree",
     "busy",
+    "peek",
+    "post",
     "rank_and_world",
     "settle",
 ]
@@ -92,11 +97,13 @@ def _channel() -> _Channel:
     return channel
 
 
-def agree(payload: Any, *, what: str, timeout: float, stream: str = "main") -> list[Any]:
-    """Share ``payload`` with every rank of the default process group; return all payloads in rank order.
+def agree(
+    payload: Any, *, what: str, timeout: float, stream: str = "main", ranks: Sequence[int] | None = None
+) -> list[Any]:
+    """Share ``payload`` with the other ranks of a round; return all payloads in the order of ``ranks``.
 
-    Every rank must call it, in the same order as its other rounds on the same ``stream``. Without a process
-    group, or with one rank, it returns ``[payload]`` at once.
+    Every rank of ``ranks`` must call it, in the same order as its other rounds on the same ``stream`` and
+    ``ranks``. Without a process group, or with one rank, it returns ``[payload]`` at once.
 
     Args:
         payload: small picklable value posted by this rank.
@@ -104,16 +111,23 @@ def agree(payload: Any, *, what: str, timeout: float, stream: str = "main") -> l
         timeout: seconds to wait after this rank arrived, extended while a missing rank shows it is alive
             and busy (see :func:`busy`).
         stream: independent sequence of rounds, e.g. for a background writer.
+        ranks: the global ranks that take part, this one among them; ``None`` for every rank. Rounds among
+            other ranks are counted apart, so ranks outside never fall out of step.
 
     Raises:
         CollectiveTimeoutError: some ranks did not arrive in time, or arrived after the others gave up.
         RankFailureError: ranks called different operations in the same round.
     """
     rank, world_size = rank_and_world()
-    if world_size == 1:
+    members = list(range(world_size)) if ranks is None else sorted(ranks)
+    if rank not in members:
+        raise ValueError(f"Rank {rank} takes part in a round among ranks {members} that it is not one of")
+    if len(members) == 1:
         return [payload]
     channel = _channel()
     store = channel.store
+    if len(members) < world_size:
+        stream = f"{stream}@{','.join(map(str, members))}"
     number = channel.rounds.get(stream, 0)
     channel.rounds[stream] = number + 1
     key = f"{_PREFIX}{stream}/{number}"
@@ -122,20 +136,20 @@ def agree(payload: Any, *, what: str, timeout: float, stream: str = "main") -> l
         store.set(f"{key}/p{rank}", pickle.dumps((what, payload)))
         store.add(f"{key}/n", 1)
         try:
-            _wait_for_all(store, key, rank, world_size, what, timeout)
+            _wait_for_all(store, key, rank, members, what, timeout)
         except CollectiveTimeoutError as error:
-            arrived = [r for r in range(world_size) if store.check([f"{key}/p{r}"])]
+            arrived = [r for r in members if store.check([f"{key}/p{r}"])]
             error.posted = {r: pickle.loads(store.get(f"{key}/p{r}"))[1] for r in arrived}
             raise
-        posted = [pickle.loads(raw) for raw in store.multi_get([f"{key}/p{r}" for r in range(world_size)])]
-        _forget(store, f"{_PREFIX}{stream}/{number - 1}", rank)
-        _leave_together(store, key, rank, world_size, timeout)
+        posted = [pickle.loads(raw) for raw in store.multi_get([f"{key}/p{r}" for r in members])]
+        _forget(store, f"{_PREFIX}{stream}/{number - 1}", rank, members)
+        _leave_together(store, key, rank, members, timeout)
     except dist.DistError as error:  # the store itself is gone (DistNetworkError, DistStoreError)
         raise RankFailureError(
             f"Lost the process group's store during the {what} ({error}). The process hosting it (rank 0 under "
             "`idist.Parallel`, the launcher under torchrun) has probably died."
         ) from error
-    operations = {r: op for r, (op, _) in enumerate(posted)}
+    operations = {r: op for r, (op, _) in zip(members, posted)}
     if len(set(operations.values())) > 1:
         listing = ", ".join(f"rank {r}: {op}" for r, op in operations.items())
         raise RankFailureError(
@@ -145,10 +159,39 @@ def agree(payload: Any, *, what: str, timeout: float, stream: str = "main") -> l
     return [value for _, value in posted]
 
 
+def post(key: str, value: Any) -> None:
+    """Leave ``value`` under ``key`` in the store for other ranks to :func:`peek` at; never waits for a rank.
+
+    A no-op without a process group or with one rank.
+    """
+    if rank_and_world()[1] == 1:
+        return
+    _channel().store.set(f"{_PREFIX}posted/{key}", pickle.dumps(value))
+
+
+def peek(key: str) -> Any:
+    """The value last posted under ``key`` with :func:`post`, or ``None`` if there is none yet; never waits."""
+    if rank_and_world()[1] == 1:
+        return None
+    store = _channel().store
+    name = f"{_PREFIX}posted/{key}"
+    try:
+        return pickle.loads(store.get(name)) if store.check([name]) else None
+    except dist.DistError:  # the store's host is gone: nothing to learn from it
+        return None
+
+
 def settle(
-    failure: BaseException | None, *, what: str, timeout: float, payload: Any = None, stream: str = "main"
+    failure: BaseException | None,
+    *,
+    what: str,
+    timeout: float,
+    payload: Any = None,
+    stream: str = "main",
+    ranks: Sequence[int] | None = None,
 ) -> list[Any]:
-    """A round of :func:`agree` that also shares whether each rank failed; return all payloads in rank order.
+    """A round of :func:`agree` that also shares whether each rank failed; return all payloads in the order of
+    ``ranks``.
 
     Args:
         failure: the exception this rank hit in its part of the operation, or ``None``.
@@ -156,16 +199,18 @@ def settle(
         timeout: as for :func:`agree`.
         payload: as for :func:`agree`.
         stream: as for :func:`agree`.
+        ranks: as for :func:`agree`.
 
     Raises:
         RankFailureError: on every rank, if any rank failed; it lists each failed rank's error, and chains
             this rank's own exception. Without a process group, ``failure`` itself is raised.
     """
-    if failure is not None and rank_and_world()[1] == 1:
+    if failure is not None and (rank_and_world()[1] == 1 or (ranks is not None and len(ranks) == 1)):
         raise failure
     own = None if failure is None else f"{type(failure).__name__}: {failure}"
+    members = list(range(rank_and_world()[1])) if ranks is None else sorted(ranks)
     try:
-        posted = agree((own, payload), what=what, timeout=timeout, stream=stream)
+        posted = agree((own, payload), what=what, timeout=timeout, stream=stream, ranks=members)
     except CollectiveTimeoutError as timeout_error:
         # e.g. a peer died in the middle of the operation: how it showed on the ranks that arrived
         reports = [f"rank {r}: {text}" for r, (text, _) in sorted(timeout_error.posted.items()) if text is not None]
@@ -174,14 +219,14 @@ def settle(
         raise CollectiveTimeoutError(
             f"{timeout_error} Ranks that arrived reported errors: {'; '.join(reports)}", timeout_error.posted
         ) from failure
-    failed = [(rank, text) for rank, (text, _) in enumerate(posted) if text is not None]
+    failed = [(rank, text) for rank, (text, _) in zip(members, posted) if text is not None]
     if failed:
         listing = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
         raise RankFailureError(f"The {what} failed on {len(failed)} of {len(posted)} ranks: {listing}") from failure
     return [value for _, value in posted]
 
 
-def _wait_for_all(store: dist.Store, key: str, rank: int, world_size: int, what: str, timeout: float) -> None:
+def _wait_for_all(store: dist.Store, key: str, rank: int, members: list[int], what: str, timeout: float) -> None:
     state_key = f"{key}/state"
     deadline = time.monotonic() + timeout
     pause = 0.0005
@@ -190,14 +235,14 @@ def _wait_for_all(store: dist.Store, key: str, rank: int, world_size: int, what:
             state = store.get(state_key)
             if state == _GO:
                 return
-            raise _timeout_error(rank, pickle.loads(state[len(_ABORT) :]), world_size, what, timeout)
-        if store.add(f"{key}/n", 0) >= world_size:
+            raise _timeout_error(rank, pickle.loads(state[len(_ABORT) :]), members, what, timeout)
+        if store.add(f"{key}/n", 0) >= len(members):
             if store.compare_set(state_key, "", _GO) == _GO:
                 return
             continue
         now = time.monotonic()
         if now >= deadline:
-            missing = [r for r in range(world_size) if not store.check([f"{key}/p{r}"])]
+            missing = [r for r in members if not store.check([f"{key}/p{r}"])]
             silent_for = min(_silence(store, r) for r in missing) if missing else timeout
             if silent_for < timeout:
                 # A missing rank is alive and still busy (e.g. writing the file): keep waiting for it.
@@ -205,12 +250,14 @@ def _wait_for_all(store: dist.Store, key: str, rank: int, world_size: int, what:
                 continue
             if store.compare_set(state_key, "", _ABORT + pickle.dumps(missing)) == _GO:
                 return
-            raise _timeout_error(rank, missing, world_size, what, timeout)
+            raise _timeout_error(rank, missing, members, what, timeout)
         time.sleep(pause)
-        pause = min(pause * 2, _longest_pause(world_size))
+        pause = min(pause * 2, _longest_pause(len(members)))
 
 
-def _timeout_error(rank: int, missing: list[int], world_size: int, what: str, timeout: float) -> CollectiveTimeoutError:
+def _timeout_error(
+    rank: int, missing: list[int], members: list[int], what: str, timeout: float
+) -> CollectiveTimeoutError:
     """The same explanation on every rank that gave up, or that arrived after the others gave up."""
     if rank in missing:
         return CollectiveTimeoutError(
@@ -218,7 +265,7 @@ def _timeout_error(rank: int, missing: list[int], world_size: int, what: str, ti
             f"{timeout:g} s, and raised an error. Call it on every rank at the same point of the program; raise "
             "`sync_timeout` if a rank is legitimately slower."
         )
-    arrived = [r for r in range(world_size) if r not in missing]
+    arrived = [r for r in members if r not in missing]
     return CollectiveTimeoutError(
         f"Timed out after {timeout:g} s waiting for ranks {missing} at the {what} (ranks {arrived} arrived). It must "
         "be called on every rank of the process group: attach checkpoint handlers on all ranks, never under "
@@ -226,21 +273,22 @@ def _timeout_error(rank: int, missing: list[int], world_size: int, what: str, ti
     )
 
 
-def _leave_together(store: dist.Store, key: str, rank: int, world_size: int, timeout: float) -> None:
-    """On rank 0, return only once every rank has read the round; other ranks return at once.
+def _leave_together(store: dist.Store, key: str, rank: int, members: list[int], timeout: float) -> None:
+    """On the first rank of the round (rank 0 when it takes part), return only once every rank has read the
+    round; other ranks return at once.
 
     The store may live in rank 0's process: ``init_process_group`` starts its TCP store there for ``env://``
     and ``tcp://`` (``idist.Parallel`` does so; torchrun keeps it in its agent instead). If rank 0 finished
     its last round and exited, it would take the store away from a rank still reading it. A rank that has
     counted itself done needs the store no more, so only rank 0 waits.
     """
-    if store.add(f"{key}/done", 1) >= world_size or rank != 0:
+    if store.add(f"{key}/done", 1) >= len(members) or rank != members[0]:
         return
     deadline = time.monotonic() + timeout
     pause = 0.0005
-    while store.add(f"{key}/done", 0) < world_size and time.monotonic() < deadline:
+    while store.add(f"{key}/done", 0) < len(members) and time.monotonic() < deadline:
         time.sleep(pause)
-        pause = min(pause * 2, _longest_pause(world_size))
+        pause = min(pause * 2, _longest_pause(len(members)))
 
 
 def _longest_pause(world_size: int) -> float:
@@ -256,12 +304,12 @@ def _silence(store: dist.Store, rank: int) -> float:
     return time.time() - float(store.get(beat_key))
 
 
-def _forget(store: dist.Store, key: str, rank: int) -> None:
+def _forget(store: dist.Store, key: str, rank: int, members: list[int]) -> None:
     # Every rank reached this round, so all have read the previous one: drop its keys to keep the store small.
     if key.endswith("/-1"):
         return
     store.delete_key(f"{key}/p{rank}")
-    if rank == 0:
+    if rank == members[0]:
         for name in ("n", "state", "done"):
             store.delete_key(f"{key}/{name}")
 

@@ -1,47 +1,41 @@
 """Policy: what to save and when (naming, scoring, retention), and loading it back on any world size.
 
 :class:`Checkpoint` keeps the behaviour of :class:`ignite.handlers.Checkpoint` and makes it correct for
-sharded state: every rank calls it, the ranks first agree on what to save (the recipient's decision wins),
-sharded objects are consolidated on the recipient, the recipient alone writes, and every rank learns the
-outcome, so that an error on one rank is an error on all of them instead of a hang. With a
-:class:`~ignite_zero.ShardedSaver` every rank writes its own part instead; with ``async_save`` the training
-loop waits only for a copy of each rank's part, and the rest runs in a thread.
+sharded state. A save of sharded objects is a collective among the ranks that hold them: they first agree on
+what to save (the recipient's decision wins), the saver consolidates and writes, and every rank learns the
+outcome, so that an error on one rank is an error on all of them instead of a hang. A save that holds no sharded
+object waits for nobody, as in ignite: the recipient writes, and it tells the other ranks its decision and
+its failures through the store, which they read without waiting. Where and how checkpoints are written is the
+saver's business (:mod:`ignite_zero.storage`); asynchronous saves run through :mod:`ignite_zero.background`.
 """
 
 from __future__ import annotations
 
-import inspect
-import itertools
+import dataclasses
 import logging
 import numbers
-import threading
-import time
-import weakref
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from ignite.engine import Engine, Events
 from ignite.handlers import checkpoint as ignite_checkpoint
 from ignite.handlers.checkpoint import BaseSaveHandler
 
-from ignite_zero import sharded, transport
 from ignite_zero._compat import CheckpointEvents
 from ignite_zero.adapters import ShardedState, adapt, map_objects
-from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, busy, rank_and_world, settle
+from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, RankFailureError, busy, peek, post, rank_and_world, settle
+from ignite_zero.background import BackgroundSaves
 from ignite_zero.loading import restore
 from ignite_zero.savers import DiskSaver, ShardedSaver, check_filename
-from ignite_zero.staging import Stager
+from ignite_zero.storage import Saver, SaveRequest, as_saver
 
 __all__ = ["Checkpoint", "ModelCheckpoint"]
 
 logger = logging.getLogger(__name__)
-
-
-_async_streams = itertools.count()  # a stream of agreement rounds per asynchronous handler, numbered alike on all ranks
 
 
 @dataclass(frozen=True)
@@ -53,16 +47,6 @@ class _SavePlan:
     name: str
     saved: tuple[tuple[int | float, str], ...]  # the retained (priority, filename) pairs after this save
     removed: tuple[str, ...]  # files to remove once the new one is durable
-
-
-@dataclass
-class _PendingSave:
-    """An asynchronous save under way: its plan, its thread, and its error once it failed."""
-
-    engine: Engine
-    plan: _SavePlan
-    thread: threading.Thread = field(init=False)
-    error: BaseException | None = None
 
 
 class Checkpoint(ignite_checkpoint.Checkpoint):
@@ -152,11 +136,12 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
     ) -> None:
         if isinstance(to_save, Mapping):
             _check_objects(to_save, "state_dict")
-        recipient = _resolve_recipient(consolidate_recipient_rank, save_on_rank, save_handler)
+        saver = None if isinstance(save_handler, (str, Path)) else as_saver(save_handler)
+        recipient = _resolve_recipient(consolidate_recipient_rank, save_on_rank, saver)
         if isinstance(save_handler, (str, Path)):
-            save_handler = DiskSaver(save_handler, create_dir=True, save_on_rank=recipient)
-        elif isinstance(save_handler, (DiskSaver, ShardedSaver)):
-            save_handler.bind(recipient)
+            save_handler = saver = DiskSaver(save_handler, create_dir=True, save_on_rank=recipient)
+        assert saver is not None
+        saver.bind(recipient)
         if filename_prefix:
             check_filename(filename_prefix)
         if not (isinstance(sync_timeout, (int, float)) and sync_timeout > 0):
@@ -176,37 +161,73 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         )
         self.consolidate_recipient_rank = recipient
         self.sync_timeout = float(sync_timeout)
-        self._saver_takes_metadata = _takes_metadata(self.save_handler)
-        self.ext = getattr(self.save_handler, "ext", self.ext)
-        self._sharded = isinstance(self.save_handler, ShardedSaver)
         self.async_save = async_save
-        self._pending: _PendingSave | None = None
-        self._followed: weakref.WeakSet[Engine] = weakref.WeakSet()
-        self._stager = Stager()
-        self._stream = f"async{next(_async_streams)}" if async_save else "main"
+        self._saver = (save_handler, saver)
+        self._background = BackgroundSaves(self.sync_timeout) if async_save else None
+
+    @property
+    def saver(self) -> Saver:
+        """``save_handler`` behind the saver protocol (:mod:`ignite_zero.storage`); follows a reassigned handler."""
+        handler, saver = self._saver
+        if handler is not self.save_handler:
+            saver = as_saver(self.save_handler)
+            saver.bind(self.consolidate_recipient_rank)
+            self._saver = (self.save_handler, saver)
+        return saver
+
+    @property  # type: ignore[override]
+    def ext(self) -> str:
+        return self.saver.ext
+
+    @ext.setter
+    def ext(self, value: str) -> None:  # ignite's __init__ sets it; the saver decides
+        pass
 
     @property
     def last_checkpoint(self) -> str | Path | None:
-        if not self._saved:
-            return None
-        dirname = getattr(self.save_handler, "dirname", None)
-        return self._saved[-1].filename if dirname is None else Path(dirname) / self._saved[-1].filename
+        retained = self._retained()
+        return self.saver.location(retained[-1][1]) if retained else None
 
     def __call__(self, engine: Engine, *args: Any, **kwargs: Any) -> None:
         if not engine.has_registered_events(CheckpointEvents.SAVED_CHECKPOINT):
             engine.register_events(*CheckpointEvents)
-        if self.async_save and engine not in self._followed:
-            engine.add_event_handler(Events.COMPLETED, lambda _: self.wait())
-            engine.add_event_handler(Events.EXCEPTION_RAISED, self._wait_then_raise)
-            self._followed.add(engine)
+        saver = self.saver
+        if self._background is not None:
+            self._background.follow(engine, self.wait)
         self.wait()
-        objects, plan = self._agree(engine)
+        try:
+            objects = adapt(self.to_save, self.consolidate_recipient_rank)
+        except Exception as error:  # only sharded objects fail to adapt: every rank has to hear of it
+            settle(error, what="checkpoint save", timeout=self.sync_timeout)
+            raise
+        ranks = _sharing_ranks(objects)
+        if len(ranks) > 1:
+            plan = self._agree(engine, objects, ranks)
+        else:
+            plan = self._plan_alone(engine, saver)
         if plan is None:
             return
-        if self.async_save:
-            self._start(engine, objects, plan)
-        else:
-            self._save_now(engine, objects, plan)
+        request = self._request(plan, ranks)
+        if self._background is not None:
+            stream = self._background.claim(f"{saver.identity}|{self.filename_prefix}|{_layout(self.to_save)}")
+            request = dataclasses.replace(request, stream=stream)
+            self._background.start(
+                lambda: saver.stage(objects, request),
+                what=plan.filename,
+                ranks=ranks,
+                durable=lambda: self._finish(engine, plan, len(ranks) == 1),
+            )
+            return
+        failure = None
+        with busy(interval=min(1.0, self.sync_timeout / 4)):
+            try:
+                saver.save(objects, request)
+            except Exception as error:
+                failure = error
+        if len(ranks) == 1 and failure is not None:
+            self._tell_failure(failure)
+        settle(failure, what=f"checkpoint save of {plan.filename}", timeout=self.sync_timeout, ranks=ranks)
+        self._finish(engine, plan, len(ranks) == 1)
 
     def wait(self) -> None:
         """Block until the asynchronous save in progress, if any, is durable; raise its error if it failed.
@@ -215,28 +236,32 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         exception in the run wait too; ``last_checkpoint`` names the new file, and ``SAVED_CHECKPOINT`` fires,
         once it is durable.
         """
-        pending, self._pending = self._pending, None
-        if pending is None:
+        if self._background is None:
             return
-        pending.thread.join()
-        if pending.error is not None:
-            raise pending.error
-        self._finish(pending.engine, pending.plan)
-
-    def _agree(self, engine: Engine) -> tuple[Any, _SavePlan | None]:
-        """Every rank's plan to the others; return the objects to save and the recipient's plan, followed by all."""
-        rank, _ = rank_and_world()
-        objects, plan, failure = None, None, None
         try:
-            objects = adapt(self.to_save, self.consolidate_recipient_rank)
+            self._background.wait()
+        except Exception as error:
+            self._tell_failure(error)
+            raise
+
+    def _agree(self, engine: Engine, objects: Any, ranks: list[int]) -> _SavePlan | None:
+        """Every rank's plan to the others; return the recipient's plan, which all follow."""
+        rank, _ = rank_and_world()
+        plan, failure = None, None
+        try:
             plan = self._plan(engine)
             map_objects(objects, lambda _, obj: obj.check() if isinstance(obj, ShardedState) else None)
         except Exception as error:
             failure = error
         payload = (plan, _layout(self.to_save))
-        proposals = settle(failure, what="checkpoint save", timeout=self.sync_timeout, payload=payload)
-        _check_layouts([proposed_layout for _, proposed_layout in proposals])
-        agreed: _SavePlan | None = proposals[self.consolidate_recipient_rank][0]
+        proposals = settle(failure, what="checkpoint save", timeout=self.sync_timeout, payload=payload, ranks=ranks)
+        _check_layouts(dict(zip(ranks, (layout for _, layout in proposals))))
+        if self.consolidate_recipient_rank not in ranks:
+            raise ValueError(
+                f"The sharded objects of this checkpoint live on ranks {ranks}, which do not include the recipient, "
+                f"rank {self.consolidate_recipient_rank}. Set `consolidate_recipient_rank` to one of them."
+            )
+        agreed: _SavePlan | None = proposals[ranks.index(self.consolidate_recipient_rank)][0]
         if plan != agreed:
             logger.warning(
                 "Rank %d planned %s, rank %d (the recipient) planned %s; following the recipient. Make "
@@ -246,135 +271,61 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                 self.consolidate_recipient_rank,
                 _summary(agreed),
             )
-        return objects, agreed
+        return agreed
 
-    def _save_now(self, engine: Engine, objects: Any, plan: _SavePlan) -> None:
-        failure = None
-        with busy(interval=min(1.0, self.sync_timeout / 4)):
-            try:
-                if self._sharded:
-                    state = self._sharded_state(objects, plan)
-                    group = _dcp_group(dedicated=False)
-                    self.save_handler.save(state, plan.filename, group=group, timeout=self.sync_timeout)
-                    self._remove_displaced(plan)
-                else:
-                    self._gather_and_write(objects, plan, lambda _, obj: obj.state_dict())
-            except Exception as error:
-                failure = error
-        settle(failure, what=f"checkpoint save of {plan.filename}", timeout=self.sync_timeout)
-        self._finish(engine, plan)
+    def _plan_alone(self, engine: Engine, saver: Saver) -> _SavePlan | None:
+        """A save of replicated state, which waits for nobody. A rank other than the recipient first takes up what
+        the recipient posted after its last save: its failure, raised here too, or its retained checkpoints."""
+        if rank_and_world()[0] != self.consolidate_recipient_rank:
+            outcome = peek(self._outcome_key(saver))
+            if outcome is not None:
+                saved, failure = outcome
+                if failure is not None:
+                    raise RankFailureError(
+                        f"The last checkpoint save on rank {self.consolidate_recipient_rank}, the recipient, failed: "
+                        f"{failure}. Fix its cause; this rank stops too, rather than train on without checkpoints."
+                    )
+                self._retain(saved)
+        return self._plan(engine)
 
-    def _start(self, engine: Engine, objects: Any, plan: _SavePlan) -> None:
-        """Stage this rank's part of the state, then write it from a thread of its own."""
-        failure, work = None, None
-        started = time.perf_counter()
-        try:
-            work = self._stage_sharded(objects, plan) if self._sharded else self._stage_consolidated(objects, plan)
-        except Exception as error:
-            failure = error
-        settle(failure, what=f"checkpoint staging of {plan.filename}", timeout=self.sync_timeout)
-        logger.debug("Checkpoint %s staged in %.3f s", plan.filename, time.perf_counter() - started)
-        pending = _PendingSave(engine, plan)
-        pending.thread = threading.Thread(
-            target=self._write_in_background, args=(pending, work), name="ignite_zero-save"
-        )
-        self._pending = pending
-        pending.thread.start()
+    def _outcome_key(self, saver: Saver) -> str:
+        """Where the recipient posts the outcome of its saves of replicated state, the same on every rank."""
+        identity = f"{saver.identity}|{self.filename_prefix}|{self.filename_pattern}|{_layout(self.to_save)}"
+        return f"outcome/{zlib.crc32(identity.encode()):08x}"
 
-    def _stage_consolidated(self, objects: Any, plan: _SavePlan) -> Callable[[], None]:
-        """Copy each sharded object's snapshot (and, on the recipient, every plain object's state); return the
-        work that gathers the copies and writes them."""
-        is_recipient = rank_and_world()[0] == self.consolidate_recipient_rank
-        staged: dict[str, Any] = {}
-        groups: dict[str, Any] = {}
-
-        def stage(path: str, obj: Any) -> None:
-            if isinstance(obj, ShardedState):
-                groups[path] = obj.gather_group(dedicated=True)  # a collective the first time: in this thread
-                staged[path] = self._stager.stage(obj.snapshot(), path)
-            elif is_recipient:  # plain objects: only the recipient writes them
-                staged[path] = self._stager.stage(obj.state_dict(), path)
-
-        map_objects(objects, stage)
-
-        def assemble(path: str, obj: Any) -> Any:
-            return obj.assemble(staged[path], groups[path]) if isinstance(obj, ShardedState) else staged.get(path)
-
-        return lambda: self._gather_and_write(objects, plan, assemble)
-
-    def _stage_sharded(self, objects: Any, plan: _SavePlan) -> Callable[[], None]:
-        """Let DCP copy this rank's part into host memory it keeps for the next save; return the work that waits
-        for DCP's write and seals the directory."""
-        state = self._sharded_state(objects, plan)
-        group = _dcp_group(dedicated=True)
-        finish = self.save_handler.save_async(
-            state, plan.filename, group=group, timeout=self.sync_timeout, stream=self._stream
-        )
-
-        def work() -> None:
-            finish()
-            self._remove_displaced(plan)
-
-        return work
-
-    def _write_in_background(self, pending: _PendingSave, work: Callable[[], None]) -> None:
-        failure = None
-        with busy(interval=min(1.0, self.sync_timeout / 4)):
-            try:
-                work()
-            except Exception as error:
-                failure = error
-        try:
-            what = f"checkpoint save of {pending.plan.filename}"
-            settle(failure, what=what, timeout=self.sync_timeout, stream=self._stream)
-        except Exception as error:  # raised by wait(), in the training thread
-            logger.error("Asynchronous save of %s failed: %s", pending.plan.filename, error)
-            pending.error = error
-
-    def _sharded_state(self, objects: Any, plan: _SavePlan) -> dict[str, Any]:
-        """This rank's part of a sharded checkpoint: sharded objects' own parts, and its share of the others."""
-        rank, world_size = rank_and_world()
-        keeper = self.consolidate_recipient_rank
-
-        def part(_: str, obj: Any) -> Any:
-            if isinstance(obj, ShardedState):
-                return obj.sharded_state_dict()
-            return sharded.share(obj.state_dict(), rank, world_size, keeper)
-
-        state = _without_nothing(map_objects(objects, part))
-        if self.include_self and rank == keeper:
-            state["checkpointer"] = {"_saved": [list(item) for item in plan.saved]}
-        return state
-
-    def _remove_displaced(self, plan: _SavePlan) -> None:
-        for filename in plan.removed:
-            self.save_handler.remove(filename)
-
-    def _gather_and_write(self, objects: Any, plan: _SavePlan, state_of: Callable[[str, Any], Any]) -> None:
-        """Collective: every object's full state (``state_of(path, obj)``) to the recipient, which writes it."""
-        started = time.perf_counter()
-        checkpoint = map_objects(objects, state_of)
-        gathered = time.perf_counter()
+    def _tell_failure(self, failure: BaseException) -> None:
+        """On the recipient of a save of replicated state: let the other ranks know, without waiting for them."""
         if rank_and_world()[0] == self.consolidate_recipient_rank:
-            self._write(checkpoint, plan)
-            logger.info(
-                "Checkpoint %s: state gathered in %.2f s, written in %.2f s",
-                plan.filename,
-                gathered - started,
-                time.perf_counter() - gathered,
-            )
+            post(self._outcome_key(self.saver), (self._retained(), f"{type(failure).__name__}: {failure}"))
 
-    def _finish(self, engine: Engine, plan: _SavePlan) -> None:
-        self._saved = [ignite_checkpoint.Checkpoint.Item(p, f) for p, f in plan.saved]
+    def _retained(self) -> list[tuple[int | float, str]]:
+        """The retained ``(priority, filename)`` pairs, oldest first, through ignite's public state."""
+        return [(priority, filename) for priority, filename in self.state_dict()["_saved"]]
+
+    def _retain(self, pairs: Any) -> None:
+        self.load_state_dict(OrderedDict([("_saved", [(priority, filename) for priority, filename in pairs])]))
+
+    def _request(self, plan: _SavePlan, ranks: list[int]) -> SaveRequest:
+        extra: dict[str, Any] = {}
+        if self.include_self:  # ignite's own form: what its state_dict() returns after this save
+            extra["checkpointer"] = OrderedDict([("_saved", [(p, f) for p, f in plan.saved])])
+        prefix = f"{self.filename_prefix}{'_' * int(len(self.filename_prefix) > 0)}"
+        return SaveRequest(
+            filename=plan.filename,
+            name=plan.name,
+            metadata={"basename": f"{prefix}{plan.name}", "score_name": self.score_name, "priority": plan.priority},
+            removed=plan.removed,
+            recipient=self.consolidate_recipient_rank,
+            ranks=tuple(ranks),
+            timeout=self.sync_timeout,
+            extra=extra,
+        )
+
+    def _finish(self, engine: Engine, plan: _SavePlan, alone: bool) -> None:
+        self._retain(plan.saved)
+        if alone and rank_and_world()[0] == self.consolidate_recipient_rank:
+            post(self._outcome_key(self.saver), (list(plan.saved), None))
         engine.fire_event(CheckpointEvents.SAVED_CHECKPOINT)
-
-    def _wait_then_raise(self, engine: Engine, error: BaseException) -> None:
-        """On an exception in the run: let a pending save finish (or report its failure), then raise as ignite does."""
-        try:
-            self.wait()
-        except Exception as failure:
-            logger.error("The run raised %r while an asynchronous save was pending, which failed: %s", error, failure)
-        raise error
 
     def _plan(self, engine: Engine) -> _SavePlan | None:
         """This rank's view of what to save now; ``None`` when the score does not earn a place."""
@@ -392,7 +343,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                 global_step = engine.state.get_event_attrib_value(Events.ITERATION_COMPLETED)
             priority = global_step
 
-        saved = [(item.priority, item.filename) for item in self._saved]
+        saved = self._retained()
         full = self.n_saved is not None and len(saved) >= self.n_saved
         if full and not (priority >= saved[0][0] if self.greater_or_equal else priority > saved[0][0]):
             return None
@@ -429,24 +380,6 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             with_score_name=self.score_name is not None,
             with_global_step=global_step is not None,
         )
-
-    def _write(self, checkpoint: dict[str, Any], plan: _SavePlan) -> None:
-        """On the recipient: write the new file durably, then remove the files it displaces."""
-        if len(checkpoint) == 1:
-            checkpoint = checkpoint[plan.name]
-        if self.include_self:
-            checkpoint["checkpointer"] = OrderedDict([("_saved", [list(item) for item in plan.saved])])
-        metadata = {
-            "basename": f"{self.filename_prefix}{'_' * int(len(self.filename_prefix) > 0)}{plan.name}",
-            "score_name": self.score_name,
-            "priority": plan.priority,
-        }
-        if self._saver_takes_metadata:
-            self.save_handler(checkpoint, plan.filename, metadata)
-        else:
-            self.save_handler(checkpoint, plan.filename)
-        if isinstance(self.save_handler, BaseSaveHandler):
-            self._remove_displaced(plan)
 
     def reload_objects(self, to_load: Mapping, load_kwargs: dict | None = None, **filename_components: Any) -> None:
         """Load ``to_load`` from one of this handler's files, named by ``filename_components`` (``name``,
@@ -586,6 +519,14 @@ class ModelCheckpoint(Checkpoint):
             async_save=async_save,
         )
 
+    @property
+    def last_checkpoint(self) -> str | Path | None:
+        if not self._retained():
+            return None
+        if not isinstance(self.save_handler, (DiskSaver, ShardedSaver, ignite_checkpoint.DiskSaver)):
+            raise RuntimeError(f"Internal error, save_handler should be DiskSaver, but has {type(self.save_handler)}.")
+        return super().last_checkpoint
+
     def __call__(self, engine: Engine, to_save: Mapping) -> None:  # type: ignore[override]
         if len(to_save) == 0:
             raise RuntimeError("No objects to checkpoint found.")
@@ -594,17 +535,15 @@ class ModelCheckpoint(Checkpoint):
         super().__call__(engine)
 
 
-def _resolve_recipient(consolidate_recipient_rank: int | None, save_on_rank: int | None, save_handler: Any) -> int:
+def _resolve_recipient(consolidate_recipient_rank: int | None, save_on_rank: int | None, saver: Saver | None) -> int:
     """The one rank that receives and writes, from the places a user may have named it."""
     given = {}
     if consolidate_recipient_rank is not None:
         given["consolidate_recipient_rank"] = consolidate_recipient_rank
     if save_on_rank is not None:
         given["save_on_rank"] = save_on_rank
-    if isinstance(save_handler, (DiskSaver, ShardedSaver)) and save_handler.rank_given:
-        given["the save_handler's save_on_rank"] = save_handler.save_on_rank
-    elif isinstance(save_handler, ignite_checkpoint.DiskSaver):
-        given["the save_handler's save_on_rank"] = save_handler.save_on_rank
+    if saver is not None and saver.requested_rank is not None:
+        given["the save_handler's save_on_rank"] = saver.requested_rank
     for name, rank in given.items():
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ValueError(f"Argument `{name}` should be a non-negative integer, got {rank!r}")
@@ -624,40 +563,15 @@ def _resolve_recipient(consolidate_recipient_rank: int | None, save_on_rank: int
     return recipient
 
 
-def _without_nothing(state: Any) -> Any:
-    """``state`` without the entries this rank keeps none of (``{}`` in their place in lists, whose positions are
-    names)."""
-    if isinstance(state, Mapping):
-        return {key: _without_nothing(value) for key, value in state.items() if value is not sharded.NOTHING}
-    if isinstance(state, list):
-        return [{} if value is sharded.NOTHING else _without_nothing(value) for value in state]
-    return state
-
-
-def _dcp_group(dedicated: bool) -> Any:
-    """The gloo group of every rank for ``torch.distributed.checkpoint``'s collectives; ``None`` without one."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return transport.cpu_group(dedicated=dedicated)
-
-
 def _check_objects(objects: Mapping, method: str) -> None:
     def check(path: str, obj: Any) -> None:
         if not callable(getattr(obj, method, None)):
-            raise TypeError(
-                f"Object {path} of type {type(obj).__name__} has no `{method}` method; every object to checkpoint "
-                "needs `state_dict` and `load_state_dict`."
+            raise TypeError(  # ignite's message first: code that matches it keeps working
+                f"Object {type(obj)} should have `{method}` method: object {path} of type {type(obj).__name__} has "
+                "none, and every object to checkpoint needs `state_dict` and `load_state_dict`."
             )
 
     map_objects(objects, check)
-
-
-def _takes_metadata(save_handler: Callable) -> bool:
-    if isinstance(save_handler, BaseSaveHandler):
-        return True
-    parameters = inspect.signature(save_handler).parameters.values()
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
 
 
 def _layout(objects: Any) -> list[str]:
@@ -670,10 +584,18 @@ def _layout(objects: Any) -> list[str]:
     return layout
 
 
-def _check_layouts(layouts: list[list[str]]) -> None:
-    if any(layout != layouts[0] for layout in layouts):
-        listing = "; ".join(f"rank {rank}: {layout}" for rank, layout in enumerate(layouts))
+def _check_layouts(layouts: dict[int, list[str]]) -> None:
+    if len({tuple(layout) for layout in layouts.values()}) > 1:
+        listing = "; ".join(f"rank {rank}: {layout}" for rank, layout in layouts.items())
         raise ValueError(f"`to_save` differs between ranks ({listing}); build it the same way on every rank.")
+
+
+def _sharing_ranks(objects: Any) -> list[int]:
+    """The ranks a save of ``objects`` needs: those holding a shard of one of them; this rank alone if none is
+    sharded, so that a save of replicated state never waits for a rank that may not call it."""
+    ranks: set[int] = set()
+    map_objects(objects, lambda _, obj: ranks.update(obj.ranks()) if isinstance(obj, ShardedState) else None)
+    return sorted(ranks) if ranks else [rank_and_world()[0]]
 
 
 def _summary(plan: _SavePlan | None) -> str:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import inspect
 import logging
 import os
 import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -27,8 +28,11 @@ from ignite.handlers.checkpoint import BaseSaveHandler
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from ignite_zero import _compat, integrity, sharded
+from ignite_zero import _compat, integrity, sharded, transport
+from ignite_zero.adapters import ShardedState, map_objects
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
+from ignite_zero.storage.base import Saver, SaveRequest
+from ignite_zero.storage.consolidated import ConsolidatingSaver
 
 __all__ = ["DiskSaver", "ShardedSaver", "check_filename", "serialized_size"]
 
@@ -53,12 +57,9 @@ def check_filename(filename: str) -> str:
     return filename
 
 
-class _DirectorySaver(BaseSaveHandler):
+class _DirectorySaver(BaseSaveHandler, Saver):
     """What the file and the directory savers share: the target directory, the one rank that writes (or, for a
     sharded save, seals and removes), the cleanup after interrupted saves, and retention."""
-
-    #: extension of the checkpoints' names
-    ext = "pt"
 
     def __init__(self, dirname: str | Path, create_dir: bool, require_empty: bool, save_on_rank: int | None) -> None:
         if save_on_rank is not None and (not isinstance(save_on_rank, int) or save_on_rank < 0):
@@ -66,18 +67,34 @@ class _DirectorySaver(BaseSaveHandler):
         self.dirname = Path(dirname).expanduser()
         self._create_dir = create_dir
         self._require_empty = require_empty
-        self.rank_given = save_on_rank is not None
+        self._rank_given = save_on_rank is not None
         self.save_on_rank = 0 if save_on_rank is None else save_on_rank
         self._prepared = False
-        if self.rank_given:
+        if self._rank_given:
             self._prepare()
 
-    def bind(self, rank: int) -> None:
-        """Make ``rank`` the writing rank; called by :class:`~ignite_zero.Checkpoint` when none was given."""
-        if self.rank_given and rank != self.save_on_rank:
-            raise ValueError(f"This {type(self).__name__} writes on rank {self.save_on_rank}, not on rank {rank}")
-        self.save_on_rank = rank
+    @property
+    def requested_rank(self) -> int | None:
+        return self.save_on_rank if self._rank_given else None
+
+    def bind(self, recipient: int) -> None:
+        """Make ``recipient`` the writing rank; called by :class:`~ignite_zero.Checkpoint` when none was given."""
+        if self._rank_given and recipient != self.save_on_rank:
+            raise ValueError(f"This {type(self).__name__} writes on rank {self.save_on_rank}, not on rank {recipient}")
+        self.save_on_rank = recipient
         self._prepare()
+
+    @property
+    def identity(self) -> str:
+        return f"{type(self).__qualname__}:{self.dirname}"
+
+    def location(self, filename: str) -> Path:
+        return self.dirname / filename
+
+    def list(self) -> list[str]:
+        if not self.dirname.is_dir():
+            return []
+        return sorted(name for name in os.listdir(self.dirname) if name.endswith(f".{self.ext}"))
 
     @property
     def is_writer(self) -> bool:
@@ -122,7 +139,7 @@ class _DirectorySaver(BaseSaveHandler):
         _fsync_directory(path.parent)
 
 
-class DiskSaver(_DirectorySaver):
+class DiskSaver(_DirectorySaver, ConsolidatingSaver):
     """Durable, rank-aware disk saver: the drop-in for :class:`ignite.handlers.DiskSaver`.
 
     Args:
@@ -134,7 +151,9 @@ class DiskSaver(_DirectorySaver):
         require_empty: if True, raise when ``dirname`` already holds ``.pt`` files.
         save_on_rank: the only rank that writes. ``None`` (default) lets
             :class:`~ignite_zero.Checkpoint` pick its ``consolidate_recipient_rank``; on its own, rank 0.
-        kwargs: keyword arguments of :func:`torch.save`.
+        kwargs: keyword arguments of :func:`torch.save`, e.g. ``pickle_protocol``. With
+            ``_use_new_zipfile_serialization=False`` the file is in torch's legacy format: written as durably, but
+            without integrity trailer (it has no zip comment to carry one), and loaded without ``mmap``.
 
     Differences from ignite's ``DiskSaver``, deliberate: the file and its directory are flushed to disk
     before the rename; new files get mode ``0o666 & ~umask`` (ignite adds group and world read); file names
@@ -161,14 +180,22 @@ class DiskSaver(_DirectorySaver):
         save_on_rank: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("_use_new_zipfile_serialization", True) is False:
-            raise ValueError(
-                "DiskSaver writes torch's zip format only (it carries the integrity trailer); remove "
-                "`_use_new_zipfile_serialization=False`."
-            )
+        try:
+            inspect.signature(torch.save).bind(None, None, **kwargs)
+        except TypeError as error:
+            accepted = [name for name in inspect.signature(torch.save).parameters if name not in ("obj", "f")]
+            raise TypeError(
+                f"save() {error}: DiskSaver passes its keyword arguments to torch.save, which takes {accepted}"
+            ) from None
         self._atomic = atomic
         self.kwargs = kwargs
         super().__init__(dirname, create_dir, require_empty, save_on_rank)
+
+    def writes_here(self, request: SaveRequest) -> bool:
+        return self.is_writer
+
+    def write(self, content: Any, request: SaveRequest) -> None:
+        self(content, request.filename, request.metadata)
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
         if not self.is_writer:
@@ -212,7 +239,8 @@ class DiskSaver(_DirectorySaver):
                 if stream.error is not None:  # the real cause, e.g. ENOSPC or EIO, instead of torch's summary
                     raise stream.error from error
                 raise
-        integrity.seal(f, world_size=rank_and_world()[1], torch=torch.__version__, ignite_zero=_package_version())
+        if self.kwargs.get("_use_new_zipfile_serialization", True):  # the legacy format is no zip: no trailer
+            integrity.seal(f, world_size=rank_and_world()[1], torch=torch.__version__, ignite_zero=_package_version())
         f.flush()
         os.fsync(f.fileno())
 
@@ -285,9 +313,72 @@ class ShardedSaver(_DirectorySaver):
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
         """Collective: save ``checkpoint`` (this rank's part of it) as the directory ``filename``."""
-        self.save(checkpoint, filename)
+        self.save_state(checkpoint, filename)
 
-    def save(
+    def save(self, objects: Any, request: SaveRequest) -> None:
+        state = self._part(objects, request)
+        if state is None:
+            return
+        self.save_state(
+            state,
+            request.filename,
+            group=_dcp_group(request, dedicated=False),
+            timeout=request.timeout,
+            stream=request.stream,
+            ranks=request.ranks,
+        )
+        self._remove_displaced(request)
+
+    def stage(self, objects: Any, request: SaveRequest) -> Callable[[], None]:
+        """Let DCP copy this rank's part into host memory it keeps for the next save; the returned work waits for
+        DCP's write and seals the directory."""
+        state = self._part(objects, request)
+        if state is None:
+            return lambda: None
+        finish = self.save_state_async(
+            state,
+            request.filename,
+            group=_dcp_group(request, dedicated=True),
+            timeout=request.timeout,
+            stream=request.stream,
+            ranks=request.ranks,
+        )
+
+        def work() -> None:
+            finish()
+            self._remove_displaced(request)
+
+        return work
+
+    def _part(self, objects: Any, request: SaveRequest) -> dict[str, Any] | None:
+        """This rank's part of the checkpoint: sharded objects' own parts, and its share of the objects every rank
+        holds; ``None`` when it writes nothing (a save of replicated state, written by the recipient alone)."""
+        rank, world_size = rank_and_world()
+        if request.collective and len(request.ranks) != world_size:
+            raise ValueError(
+                f"A sharded checkpoint is written by every rank, but the sharded objects of this save live on ranks "
+                f"{list(request.ranks)} of {world_size}. Save them with a DiskSaver instead."
+            )
+        if not request.collective:
+            if not request.is_recipient:
+                return None
+            rank, world_size = 0, 1
+
+        def part(_: str, obj: Any) -> Any:
+            if isinstance(obj, ShardedState):
+                return obj.sharded_state_dict()
+            return sharded.share(obj.state_dict(), rank, world_size, request.recipient if request.collective else 0)
+
+        state = _without_nothing(map_objects(objects, part))
+        if request.is_recipient:
+            state.update(request.extra)
+        return state
+
+    def _remove_displaced(self, request: SaveRequest) -> None:
+        for filename in request.removed:
+            self.remove(filename)
+
+    def save_state(
         self,
         state: Mapping,
         filename: str,
@@ -295,6 +386,7 @@ class ShardedSaver(_DirectorySaver):
         group: Any = None,
         timeout: float = DEFAULT_SYNC_TIMEOUT,
         stream: str = "main",
+        ranks: Sequence[int] | None = None,
     ) -> None:
         """Collective: write every rank's ``state`` as the checkpoint directory ``filename``, and seal it.
 
@@ -304,18 +396,19 @@ class ShardedSaver(_DirectorySaver):
             group: gloo process group of every rank for DCP's own collectives; ``None`` for the default group.
             timeout: seconds ranks wait for each other around the write.
             stream: stream of agreement rounds (see :func:`ignite_zero.agreement.agree`).
+            ranks: the ranks that write; one rank alone writes the whole directory without collectives.
         """
-        partial, writer = self._begin(state, filename, timeout, stream, cache=False)
+        partial, writer = self._begin(state, filename, timeout, stream, ranks, cache=False)
         failure = None
         started = time.perf_counter()
         try:
-            dcp.save(dict(state), storage_writer=writer, process_group=group)
+            dcp.save(dict(state), storage_writer=writer, process_group=group, no_dist=_alone(ranks))
         except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException
             failure = error
-        self._commit(filename, partial, writer, failure, timeout, stream, started)
+        self._commit(filename, partial, writer, failure, timeout, stream, ranks, started)
 
-    def save_async(
-        self, state: Mapping, filename: str, *, group: Any, timeout: float, stream: str
+    def save_state_async(
+        self, state: Mapping, filename: str, *, group: Any, timeout: float, stream: str, ranks: Sequence[int] | None
     ) -> Callable[[], None]:
         """Collective: stage this rank's ``state`` into host memory (the only part that blocks) and start writing
         it; return the function that waits for the write and seals the directory, to run in another thread.
@@ -323,9 +416,9 @@ class ShardedSaver(_DirectorySaver):
         DCP keeps the host copies for the next save (``cache_staged_state_dict``); ``group`` must be a gloo group
         of its own (see :func:`ignite_zero.transport.cpu_group`), since DCP's collectives then run beside training.
         """
-        partial, writer = self._begin(state, filename, timeout, stream, cache=True)
+        partial, writer = self._begin(state, filename, timeout, stream, ranks, cache=True)
         started = time.perf_counter()
-        future = dcp.async_save(dict(state), storage_writer=writer, process_group=group)
+        future = dcp.async_save(dict(state), storage_writer=writer, process_group=group, no_dist=_alone(ranks))
 
         def finish() -> None:
             failure = None
@@ -333,12 +426,12 @@ class ShardedSaver(_DirectorySaver):
                 future.result()
             except (Exception, CheckpointException) as error:
                 failure = error
-            self._commit(filename, partial, writer, failure, timeout, stream, started)
+            self._commit(filename, partial, writer, failure, timeout, stream, ranks, started)
 
         return finish
 
     def _begin(
-        self, state: Mapping, filename: str, timeout: float, stream: str, cache: bool
+        self, state: Mapping, filename: str, timeout: float, stream: str, ranks: Sequence[int] | None, cache: bool
     ) -> tuple[Path, sharded.ChecksummingWriter]:
         """Collective: the writing rank clears what an interrupted save left and makes the temporary directory;
         every rank learns whether the parts of all ranks fit on the disk."""
@@ -360,6 +453,7 @@ class ShardedSaver(_DirectorySaver):
             timeout=timeout,
             stream=stream,
             payload=(serialized_size(state), free),
+            ranks=ranks,
         )
         needed = sum(size for size, _ in reports)
         free = next(space for _, space in reports if space is not None)
@@ -390,11 +484,17 @@ class ShardedSaver(_DirectorySaver):
         failure: BaseException | None,
         timeout: float,
         stream: str,
+        ranks: Sequence[int] | None,
         started: float,
     ) -> None:
         """Collective: every rank's files to the writing rank, which seals the directory and renames it into place."""
         files = settle(
-            failure, what=f"sharded save of {filename}", timeout=timeout, payload=dict(writer.written), stream=stream
+            failure,
+            what=f"sharded save of {filename}",
+            timeout=timeout,
+            payload=dict(writer.written),
+            stream=stream,
+            ranks=ranks,
         )
         if not self.is_writer:
             return
@@ -408,6 +508,28 @@ class ShardedSaver(_DirectorySaver):
         logger.info(
             "Saved %s (%.1f MB, %d files) in %.2f s", final, size / 1e6, len(listed), time.perf_counter() - started
         )
+
+
+def _alone(ranks: Sequence[int] | None) -> bool:
+    """Whether one rank writes a whole sharded checkpoint by itself, with no collective."""
+    return ranks is not None and len(ranks) == 1
+
+
+def _dcp_group(request: SaveRequest, dedicated: bool) -> Any:
+    """The gloo group of every rank for ``torch.distributed.checkpoint``'s collectives; ``None`` without one."""
+    if not request.collective:
+        return None
+    return transport.cpu_group(dedicated=dedicated)
+
+
+def _without_nothing(state: Any) -> Any:
+    """``state`` without the entries this rank keeps none of (``{}`` in their place in lists, whose positions are
+    names)."""
+    if isinstance(state, Mapping):
+        return {key: _without_nothing(value) for key, value in state.items() if value is not sharded.NOTHING}
+    if isinstance(state, list):
+        return [{} if value is sharded.NOTHING else _without_nothing(value) for value in state]
+    return state
 
 
 def _install_directory(source: Path, target: Path) -> None:

@@ -41,7 +41,7 @@ def _each_file_holds_its_moment(rank, world_size, dirname):
 
     @trainer.on(Events.EPOCH_COMPLETED)
     def remember(engine):
-        pending.append(checkpoint._pending is not None)  # the save runs on while training goes on
+        pending.append(checkpoint._background._pending is not None)  # the save runs on while training goes on
         optimizer.consolidate_state_dict(to=1)  # torch's own consolidation, beside the background gather
         if rank == 1:
             # copies: torch's consolidation holds the recipient's own live tensors, which training goes on changing
@@ -51,7 +51,7 @@ def _each_file_holds_its_moment(rank, world_size, dirname):
     trainer.register_events(*CheckpointEvents)
     trainer.add_event_handler(Checkpoint.SAVED_CHECKPOINT, lambda engine: saved.append(checkpoint.last_checkpoint.name))
     trainer.run(range(3), max_epochs=3)  # COMPLETED waits for the last save
-    assert checkpoint._pending is None
+    assert checkpoint._background._pending is None
     return moments, pending, saved
 
 
@@ -162,13 +162,18 @@ def test_an_exception_in_the_run_lets_the_pending_save_finish_and_retention_keep
 
 
 def _recipient_killed(rank, world_size, dirname):
-    # no training collectives (plain model and optimizer on each rank): only the checkpoint can tell the survivor
+    # No training collectives (plain model and optimizer on each rank, and a ZeRO optimizer that is never stepped,
+    # which makes the save a collective): only the checkpoint can tell the survivor.
     model = tiny_model()
     optimizer = torch.optim.Adam(model.parameters())
     trainer = _trainer(model, optimizer, rank)
     saver = DiskSaver(dirname)
     checkpoint = Checkpoint(
-        {"model": model, "optimizer": optimizer}, saver, n_saved=1, sync_timeout=2.0, async_save=True
+        {"model": model, "optimizer": optimizer, "zero": zero_adam(tiny_model())},
+        saver,
+        n_saved=1,
+        sync_timeout=2.0,
+        async_save=True,
     )
     trainer.add_event_handler(Events.ITERATION_COMPLETED, checkpoint)
 

@@ -104,7 +104,7 @@ def test_numpy_scores_are_stored_as_python_numbers(tmp_path):
     )
     handler(engine)
     saved = torch.load(tmp_path / "checkpoint_acc=0.2500.pt", weights_only=True)
-    assert saved["checkpointer"]["_saved"] == [[0.25, "checkpoint_acc=0.2500.pt"]]
+    assert saved["checkpointer"]["_saved"] == [(0.25, "checkpoint_acc=0.2500.pt")]  # ignite's own form
     assert type(handler._saved[0].priority) is float
 
 

@@ -191,7 +191,9 @@ def test_zero_on_a_sub_group(tmp_path):
     expected = run_ranks(_sub_group, 3, tmp_path, 0)[0]
     assert_state_equal(torch.load(tmp_path / "optimizer_0.pt", weights_only=True), expected)
     errors = run_ranks(_sub_group, 3, tmp_path / "other", 2)
-    assert len(set(errors)) == 1, "every rank raises the same error"
+    # The save needs the ranks of the optimizer's group, which raise the same error; rank 2 holds replicated state
+    # only, and saves it without waiting for anyone.
+    assert errors[0] == errors[1] and errors[2] is None
     assert (
         "Recipient rank 2 is not in the process group of this ZeroRedundancyOptimizer (global ranks [0, 1])"
         in (errors[0])
@@ -212,8 +214,9 @@ def test_zero_overlapping_ddp_before_its_initialisation_is_a_clear_error(tmp_pat
 
 
 def _failing_write(rank, world_size):
-    def saver(checkpoint, filename):
-        raise OSError(28, "No space left on device")
+    def saver(checkpoint, filename):  # called on every rank, as ignite calls it; it writes on the recipient only
+        if rank == 1:
+            raise OSError(28, "No space left on device")
 
     optimizer = zero_adam(tiny_model())
     checkpoint = Checkpoint({"optimizer": optimizer}, saver, consolidate_recipient_rank=1)

@@ -60,6 +60,10 @@ class ShardedState(ABC):
                 f"choose a rank in [0, {world_size})"
             )
 
+    def ranks(self) -> list[int]:
+        """The global ranks that hold a shard of the object, all of which take part in its ``state_dict()``."""
+        return list(range(rank_and_world()[1]))
+
     def check_entry(self, state_dict: Mapping[str, Any]) -> None:
         """Raise, changing nothing, if ``load_state_dict(state_dict)`` would refuse it.
 

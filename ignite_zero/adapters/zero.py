@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,18 +17,28 @@ from ignite_zero.adapters.base import ShardedState, copy_structure, group_ranks
 __all__ = ["OptimizerStatePart", "ZeROState", "consolidate", "recipient_keyword", "as_saved_optimizer_state"]
 
 
-def recipient_keyword(consolidate_state_dict: Callable[..., Any]) -> str | None:
-    """How ``consolidate_state_dict`` takes the recipient rank, read from its signature.
+def recipient_keyword(optimizer: Any) -> str | None:
+    """How ``optimizer.consolidate_state_dict`` takes the recipient rank.
 
     ``"to"`` for ``torch.distributed.optim.ZeroRedundancyOptimizer``, ``"recipient_rank"`` for fairscale's
-    ``OSS``, ``None`` for a method with a single other parameter, taken positionally.
+    ``OSS``, known by their type (proxies such as ``MagicMock(ZeroRedundancyOptimizer, wraps=optimizer)``
+    included); for others, read from the signature: ``None`` for a method with a single other parameter, taken
+    positionally.
 
     Raises:
         TypeError: the signature does not say where the recipient goes.
     """
+    known = {"zero": "to", "oss": "recipient_rank"}.get(_compat.sharded_optimizer_kind(optimizer) or "")
+    if known is not None:
+        return known
+    method = optimizer.consolidate_state_dict
+    try:
+        signature = inspect.signature(method)
+    except (TypeError, ValueError):
+        signature = None
     parameters = [
         p
-        for p in inspect.signature(consolidate_state_dict).parameters.values()
+        for p in (signature.parameters.values() if signature else ())
         if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     names = {p.name for p in parameters}
@@ -37,18 +47,20 @@ def recipient_keyword(consolidate_state_dict: Callable[..., Any]) -> str | None:
             return name
     if len(parameters) == 1 and parameters[0].kind != inspect.Parameter.KEYWORD_ONLY:
         return None
+    shown = f"{getattr(method, '__qualname__', None) or type(optimizer).__name__ + '.consolidate_state_dict'}"
     raise TypeError(
-        f"Cannot tell how {consolidate_state_dict.__qualname__}{inspect.signature(consolidate_state_dict)} takes the "
-        "recipient rank: expected a parameter named `to` or `recipient_rank`, or a single parameter. Wrap the "
-        "optimizer in a `ShardedState` adapter of your own."
+        f"Cannot tell how {shown}{signature if signature is not None else '(...)'} takes the recipient rank: expected "
+        "a parameter named `to` or `recipient_rank`, or a single parameter. Wrap the optimizer in a `ShardedState` "
+        "adapter of your own."
     )
 
 
 def process_group_of(optimizer: Any) -> Any:
-    """The process group a sharded optimizer consolidates over (``process_group`` in torch, ``group`` in fairscale)."""
+    """The process group a sharded optimizer consolidates over (``process_group`` in torch, ``group`` in fairscale);
+    the default group where it names none (a proxy of the optimizer, say)."""
     for attribute in ("process_group", "group"):
         group = getattr(optimizer, attribute, None)
-        if group is not None:
+        if isinstance(group, dist.ProcessGroup):
             return group
     return dist.group.WORLD
 
@@ -66,7 +78,7 @@ def consolidate(optimizer: Any, recipient_rank: int) -> None:
     attribute = _compat.consolidated_state_attribute(optimizer)
     if attribute is None:
         group_recipient = dist.get_group_rank(group, recipient_rank)
-        keyword = recipient_keyword(optimizer.consolidate_state_dict)
+        keyword = recipient_keyword(optimizer)
         if keyword is None:
             optimizer.consolidate_state_dict(group_recipient)
         else:
@@ -128,7 +140,13 @@ class ZeROState(ShardedState):
         for method in ("consolidate_state_dict", "state_dict", "load_state_dict"):
             if not callable(getattr(optimizer, method, None)):
                 raise TypeError(f"{type(optimizer).__name__} has no `{method}` method: it is not a sharded optimizer")
-        recipient_keyword(optimizer.consolidate_state_dict)  # fail now on an unusable signature
+        recipient_keyword(optimizer)  # fail now on an unusable signature
+
+    def ranks(self) -> list[int]:
+        try:
+            return group_ranks(process_group_of(self.obj))
+        except ValueError:  # a stale group: check() explains it, on every rank
+            return super().ranks()
 
     def check(self) -> None:
         super().check()
@@ -223,9 +241,9 @@ class ZeROState(ShardedState):
 
     def part_needed(self) -> OptimizerStatePart | None:
         """The state of the parameters this rank owns: each rank loads only its partition."""
-        local = getattr(self.obj, "optim", None)
-        if local is None:  # an optimizer whose partition is unknown: it gets the whole state
+        if not _knows_its_partition(self.obj):  # an optimizer whose partition is unknown: it gets the whole state
             return None
+        local = self.obj.optim
         owned = {id(p) for group in local.param_groups for p in group["params"]}
         everything = [p for group in self.obj.param_groups for p in group["params"]]
         return OptimizerStatePart(tuple(index for index, p in enumerate(everything) if id(p) in owned))
@@ -272,7 +290,9 @@ def _without_state(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def _knows_its_partition(optimizer: Any) -> bool:
     """Whether ``optimizer`` is one whose local optimizer (``optim``) holds exactly this rank's parameters."""
-    return _compat.sharded_optimizer_kind(optimizer) is not None and not _compat.zero_awaits_ddp(optimizer)
+    return _compat.sharded_optimizer_kind(optimizer, genuine=True) is not None and not _compat.zero_awaits_ddp(
+        optimizer
+    )
 
 
 def _to_cpu(value: Any) -> Any:
