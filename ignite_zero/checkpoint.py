@@ -25,8 +25,9 @@ from ignite.engine import Engine, Events
 from ignite.handlers import checkpoint as ignite_checkpoint
 from ignite.handlers.checkpoint import BaseSaveHandler
 
+from ignite_zero import tree
 from ignite_zero._compat import CheckpointEvents
-from ignite_zero.adapters import ShardedState, adapt, map_objects
+from ignite_zero.adapters import ShardedState, adapt
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, RankFailureError, busy, peek, post, rank_and_world, settle
 from ignite_zero.background import BackgroundSaves
 from ignite_zero.loading import restore
@@ -250,7 +251,9 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         plan, failure = None, None
         try:
             plan = self._plan(engine)
-            map_objects(objects, lambda _, obj: obj.check() if isinstance(obj, ShardedState) else None)
+            for _, obj in tree.leaves(objects):
+                if isinstance(obj, ShardedState):
+                    obj.check()
         except Exception as error:
             failure = error
         payload = (plan, _layout(self.to_save))
@@ -564,14 +567,13 @@ def _resolve_recipient(consolidate_recipient_rank: int | None, save_on_rank: int
 
 
 def _check_objects(objects: Mapping, method: str) -> None:
-    def check(path: str, obj: Any) -> None:
+    for path, obj in tree.leaves(objects):
         if not callable(getattr(obj, method, None)):
             raise TypeError(  # ignite's message first: code that matches it keeps working
-                f"Object {type(obj)} should have `{method}` method: object {path} of type {type(obj).__name__} has "
-                "none, and every object to checkpoint needs `state_dict` and `load_state_dict`."
+                f"Object {type(obj)} should have `{method}` method: object {tree.describe(path)} of type "
+                f"{type(obj).__name__} has none, and every object to checkpoint needs `state_dict` and "
+                "`load_state_dict`."
             )
-
-    map_objects(objects, check)
 
 
 def _layout(objects: Any) -> list[str]:
@@ -579,9 +581,7 @@ def _layout(objects: Any) -> list[str]:
 
     Only names count: a sharded optimizer on a sub-group sits beside a plain one on the other ranks.
     """
-    layout: list[str] = []
-    map_objects(objects, lambda path, _: layout.append(path))
-    return layout
+    return [tree.describe(path) for path, _ in tree.leaves(objects)]
 
 
 def _check_layouts(layouts: dict[int, list[str]]) -> None:
@@ -593,8 +593,7 @@ def _check_layouts(layouts: dict[int, list[str]]) -> None:
 def _sharing_ranks(objects: Any) -> list[int]:
     """The ranks a save of ``objects`` needs: those holding a shard of one of them; this rank alone if none is
     sharded, so that a save of replicated state never waits for a rank that may not call it."""
-    ranks: set[int] = set()
-    map_objects(objects, lambda _, obj: ranks.update(obj.ranks()) if isinstance(obj, ShardedState) else None)
+    ranks = {rank for _, obj in tree.leaves(objects) if isinstance(obj, ShardedState) for rank in obj.ranks()}
     return sorted(ranks) if ranks else [rank_and_world()[0]]
 
 

@@ -19,9 +19,10 @@ from typing import Any, TextIO
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ignite_zero import integrity, sharded
+from ignite_zero import integrity, sharded, tree
 from ignite_zero.adapters.zero import as_saved_optimizer_state
 from ignite_zero.savers import DiskSaver
+from ignite_zero.storage.readers import FileReader
 
 __all__ = ["main"]
 
@@ -55,24 +56,22 @@ def _describe(dtype: torch.dtype, shape: Sequence[int]) -> str:
     )
 
 
-def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _leaves(item, f"{path}.{key}" if path else str(key))
-    elif isinstance(value, (list, tuple)) and any(isinstance(item, (Mapping, torch.Tensor)) for item in value):
-        for index, item in enumerate(value):
-            yield from _leaves(item, f"{path}.{index}")
-    else:
-        yield path, value
+def _leaves(value: Any) -> list[tuple[str, Any]]:
+    """Every leaf worth a line, with its dotted path: lists and tuples of plain values are shown whole."""
+
+    def whole(node: Any) -> bool:
+        return isinstance(node, (list, tuple)) and not any(isinstance(item, (Mapping, torch.Tensor)) for item in node)
+
+    return [(".".join(map(str, path)), leaf) for path, leaf in tree.leaves(value, is_leaf=whole)]
 
 
 def _inspect_file(path: Path, out: TextIO) -> int:
     trailer = integrity.read_trailer(path)
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    state = FileReader(path).load(weights_only=True)
     print(f"{path}: {_size(path.stat().st_size)}, {_origin(trailer, 'integrity trailer')}", file=out)
     objects = state.items() if isinstance(state, Mapping) else [("(state)", state)]
     for name, value in objects:
-        leaves = list(_leaves(value, ""))
+        leaves = _leaves(value)
         tensors = [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
         total = sum(t.numel() * t.element_size() for t in tensors)
         print(f"{name}: {type(value).__name__}, {len(tensors)} tensors, {_size(total)}", file=out)
@@ -115,7 +114,11 @@ def _verify(path: Path, out: TextIO) -> int:
         facts = sharded.verify(path) if path.is_dir() else integrity.verify_file(path)
     if facts is None:
         what = "manifest" if path.is_dir() else "integrity trailer"
-        print(f"{path}: no {what} to verify against (written by another tool)", file=out)
+        why = "written by another tool"
+        if path.is_file() and integrity.is_legacy_format(path):
+            why = "torch's legacy format, `_use_new_zipfile_serialization=False`, has no room for one"
+        print(f"{path}: no {what} to verify against ({why})", file=out)
+        print(f"ignite-zero: warning: {path} loads, but without verification", file=sys.stderr)
         return 2
     if path.is_dir():
         print(f"{path}: OK ({len(facts['files'])} files, sizes and CRC-32 match the manifest)", file=out)

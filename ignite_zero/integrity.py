@@ -22,7 +22,7 @@ import zlib
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["IntegrityError", "read_trailer", "seal", "verify_file"]
+__all__ = ["IntegrityError", "is_legacy_format", "read_trailer", "seal", "verify_file"]
 
 _FORMAT = "ignite_zero"
 _VERSION = 1
@@ -81,12 +81,21 @@ def seal(f: IO[bytes], **facts: Any) -> None:
     f.write(len(comment).to_bytes(2, "little") + comment)
 
 
+def is_legacy_format(path: str | Path) -> bool:
+    """Whether ``path`` holds torch's legacy format (``torch.save(..., _use_new_zipfile_serialization=False)``): a
+    pickle stream rather than a zip archive, with no room for a trailer, and not loadable with ``mmap``."""
+    with open(path, "rb") as f:
+        return f.read(1) == b"\x80"  # pickle's PROTO opcode; a zip archive starts with "PK"
+
+
 def read_trailer(path: str | Path) -> dict[str, Any] | None:
     """The trailer of a sealed checkpoint file, ``None`` for a file written by something else.
 
     Raises:
         IntegrityError: the file is not a readable zip archive (truncated, or not a torch file).
     """
+    if Path(path).is_file() and is_legacy_format(path):
+        return None
     try:
         with zipfile.ZipFile(path) as archive:
             return _parse(archive.comment)
@@ -116,6 +125,13 @@ def verify_file(path: str | Path) -> dict[str, Any] | None:
         IntegrityError: naming the file and what differs.
     """
     path = Path(path)
+    if path.is_file() and is_legacy_format(path):
+        warnings.warn(
+            f"{path} carries no ignite_zero integrity trailer: it is in torch's legacy format "
+            "(`_use_new_zipfile_serialization=False`), which has no room for one; loading it without verification.",
+            stacklevel=3,
+        )
+        return None
     _check_end(path)
     try:
         with zipfile.ZipFile(path) as archive:

@@ -28,8 +28,8 @@ from ignite.handlers.checkpoint import BaseSaveHandler
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from ignite_zero import _compat, integrity, sharded, transport
-from ignite_zero.adapters import ShardedState, map_objects
+from ignite_zero import _compat, integrity, sharded, transport, tree
+from ignite_zero.adapters import ShardedState
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
 from ignite_zero.storage.base import Saver, SaveRequest
 from ignite_zero.storage.consolidated import ConsolidatingSaver
@@ -364,12 +364,13 @@ class ShardedSaver(_DirectorySaver):
                 return None
             rank, world_size = 0, 1
 
-        def part(_: str, obj: Any) -> Any:
+        def part(_: tree.Path, obj: Any) -> Any:
             if isinstance(obj, ShardedState):
                 return obj.sharded_state_dict()
             return sharded.share(obj.state_dict(), rank, world_size, request.recipient if request.collective else 0)
 
-        state = _without_nothing(map_objects(objects, part))
+        state = tree.map_tree(part, objects)
+        state = {} if state is tree.OMIT else state
         if request.is_recipient:
             state.update(request.extra)
         return state
@@ -520,16 +521,6 @@ def _dcp_group(request: SaveRequest, dedicated: bool) -> Any:
     if not request.collective:
         return None
     return transport.cpu_group(dedicated=dedicated)
-
-
-def _without_nothing(state: Any) -> Any:
-    """``state`` without the entries this rank keeps none of (``{}`` in their place in lists, whose positions are
-    names)."""
-    if isinstance(state, Mapping):
-        return {key: _without_nothing(value) for key, value in state.items() if value is not sharded.NOTHING}
-    if isinstance(state, list):
-        return [{} if value is sharded.NOTHING else _without_nothing(value) for value in state]
-    return state
 
 
 def _install_directory(source: Path, target: Path) -> None:

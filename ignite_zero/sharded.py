@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from ignite_zero import _compat
+from ignite_zero import _compat, tree
 from ignite_zero.integrity import IntegrityError
 
 __all__ = [
@@ -283,34 +283,21 @@ def share(state: Any, rank: int, world_size: int, keeper: int) -> Any:
     of them. Lists holding tensors stay whole with ``keeper`` (their positions are part of the names).
 
     Returns:
-        The share, or :data:`NOTHING` when this rank keeps none of ``state``.
+        The share, :data:`ignite_zero.tree.OMIT` in place of what this rank does not keep.
     """
     dealt = itertools.count()
 
-    def deal(value: Any) -> Any:
+    def deal(_: tree.Path, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return value if next(dealt) % world_size == rank else NOTHING
-        if isinstance(value, Mapping) and any(_holds_tensors(item) for item in value.values()):
-            kept = {key: deal(item) for key, item in value.items()}
-            kept = {key: item for key, item in kept.items() if item is not NOTHING}
-            return kept if kept else NOTHING
-        return value if rank == keeper else NOTHING
+            return value if next(dealt) % world_size == rank else tree.OMIT
+        return value if rank == keeper else tree.OMIT
 
-    return deal(state)
+    def whole(value: Any) -> bool:  # only mappings that hold tensors are dealt item by item
+        return not (
+            isinstance(value, Mapping) and any(isinstance(leaf, torch.Tensor) for _, leaf in tree.leaves(value))
+        )
 
-
-#: What :func:`share` returns for a state of which this rank keeps nothing.
-NOTHING: Any = object()
-
-
-def _holds_tensors(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, Mapping):
-        return any(_holds_tensors(item) for item in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_tensors(item) for item in value)
-    return False
+    return tree.map_tree(deal, state, is_leaf=whole)
 
 
 def load(state: dict[str, Any], directory: str | os.PathLike) -> None:

@@ -10,7 +10,7 @@ from launcher import run_ranks
 from torch.nn.parallel import DistributedDataParallel
 from training import assert_state_equal, mixed_objects, small_net, tiny_model, train_step, zero_adam
 
-from ignite_zero import Checkpoint, IntegrityError, ShardedSaver, sharded
+from ignite_zero import Checkpoint, IntegrityError, ShardedSaver, sharded, tree
 
 pytestmark = pytest.mark.distributed
 
@@ -200,4 +200,4 @@ def test_every_rank_writes_a_share_of_what_all_ranks_hold():
     shares = [sharded.share(state, rank, 2, keeper=1) for rank in range(2)]
     assert list(shares[0]) == ["a"] and list(shares[1]) == ["b", "e", "f"]
     assert list(shares[1]["b"]) == ["c", "d"]  # tensors dealt round-robin; the rest, and lists, with the keeper
-    assert sharded.share({"x": 1}, 0, 2, keeper=1) is sharded.NOTHING
+    assert sharded.share({"x": 1}, 0, 2, keeper=1) is tree.OMIT

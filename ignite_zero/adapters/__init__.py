@@ -8,12 +8,12 @@ with stock ignite's ``Checkpoint`` and with ``torch.distributed.checkpoint`` too
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from ignite_zero import tree
 from ignite_zero.adapters.base import ShardedState, copy_structure
 from ignite_zero.adapters.fsdp import (
     FSDPModelState,
@@ -31,7 +31,6 @@ __all__ = [
     "ZeROState",
     "adapt",
     "copy_structure",
-    "map_objects",
 ]
 
 
@@ -46,10 +45,9 @@ def adapt(objects: Any, recipient_rank: int) -> Any:
         ValueError: an adapter was made for another recipient rank, or an optimizer updates FSDP-sharded
             parameters of a model that is not among ``objects``.
     """
-    unwrapped = map_objects(objects, lambda _, obj: _unwrap(obj))
-    models: list[nn.Module] = []
-    map_objects(unwrapped, lambda _, obj: models.append(obj) if is_fsdp_module(obj) else None)
-    return map_objects(unwrapped, lambda path, obj: _adapt(path, obj, models, recipient_rank))
+    unwrapped = tree.map_tree(lambda _, obj: _unwrap(obj), objects)
+    models = [obj for _, obj in tree.leaves(unwrapped) if is_fsdp_module(obj)]
+    return tree.map_tree(lambda path, obj: _adapt(tree.describe(path), obj, models, recipient_rank), unwrapped)
 
 
 def _unwrap(obj: Any) -> Any:
@@ -81,16 +79,3 @@ def _adapt(path: str, obj: Any, models: list[nn.Module], recipient_rank: int) ->
                 "e.g. {'model': model, 'optimizer': optimizer}."
             )
     return obj
-
-
-def map_objects(objects: Any, func: Callable[[str, Any], Any], path: str = "") -> Any:
-    """Apply ``func(path, leaf)`` to every object of a nested ``to_save``/``to_load`` mapping.
-
-    ``path`` names the leaf for error messages, e.g. ``"['models'][0]"``. Mappings and lists/tuples are
-    containers; anything else is a leaf (strings included).
-    """
-    if isinstance(objects, Mapping):
-        return {key: map_objects(value, func, f"{path}[{key!r}]") for key, value in objects.items()}
-    if isinstance(objects, Sequence) and not isinstance(objects, (str, bytes)):
-        return [map_objects(value, func, f"{path}[{index}]") for index, value in enumerate(objects)]
-    return func(path, objects)

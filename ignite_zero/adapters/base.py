@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
 
+from ignite_zero import tree
 from ignite_zero.agreement import rank_and_world
 
 __all__ = ["Part", "ShardedState", "copy_structure", "group_ranks"]
@@ -142,14 +142,7 @@ def copy_structure(value: Any) -> Any:
     Some ``load_state_dict`` implementations (``ZeroRedundancyOptimizer``'s among them) write into the
     dict they are given; handing them this copy keeps the caller's dict intact at no tensor cost.
     """
-    if isinstance(value, Mapping):
-        items = ((key, copy_structure(item)) for key, item in value.items())
-        return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
-    if isinstance(value, list):
-        return [copy_structure(item) for item in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(copy_structure(item) for item in value)
-    return value
+    return tree.map_tree(lambda _, leaf: leaf, value)
 
 
 def group_ranks(group: Any) -> list[int]:

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FlatParameter, FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
-from ignite_zero import _compat, transport
+from ignite_zero import _compat, transport, tree
 from ignite_zero.adapters import _fsdp1, _fsdp2
 from ignite_zero.adapters._fsdp_common import ParamLayout, Slot, add_value, clean_name, whole_slot
 from ignite_zero.adapters.base import ShardedState
@@ -366,16 +366,18 @@ def _quiet_state_dict_apis() -> Iterator[None]:
 
 def _fresh(state: Any) -> Any:
     """``state`` with new, empty tensors of the same layout: reading a checkpoint into them changes nothing live."""
-    if isinstance(state, DTensor):
-        local = torch.empty_like(state.to_local())
-        return DTensor.from_local(local, state.device_mesh, state.placements, shape=state.shape, stride=state.stride())
-    if isinstance(state, torch.Tensor) and type(state) in (torch.Tensor, nn.Parameter):
-        return torch.empty_like(state)
-    if isinstance(state, Mapping):
-        return {key: _fresh(value) for key, value in state.items()}
-    if isinstance(state, list):
-        return [_fresh(value) for value in state]
-    return state  # ShardedTensor (FSDP1 clones its shards already), and plain values
+
+    def fresh(_: tree.Path, value: Any) -> Any:
+        if isinstance(value, DTensor):
+            local = torch.empty_like(value.to_local())
+            return DTensor.from_local(
+                local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
+            )
+        if isinstance(value, torch.Tensor) and type(value) in (torch.Tensor, nn.Parameter):
+            return torch.empty_like(value)
+        return value  # ShardedTensor (FSDP1 clones its shards already), and plain values
+
+    return tree.map_tree(fresh, state)
 
 
 def full_optimizer_state_to_plain(

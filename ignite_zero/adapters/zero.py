@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ignite_zero import _compat, transport
+from ignite_zero import _compat, transport, tree
 from ignite_zero.adapters.base import ShardedState, copy_structure, group_ranks
 
 __all__ = ["OptimizerStatePart", "ZeROState", "consolidate", "recipient_keyword", "as_saved_optimizer_state"]
@@ -295,13 +295,5 @@ def _knows_its_partition(optimizer: Any) -> bool:
     )
 
 
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, Mapping):
-        return {key: _to_cpu(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_to_cpu(item) for item in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_to_cpu(item) for item in value)
-    return value
+def _to_cpu(state: Any) -> Any:
+    return tree.map_tree(lambda _, value: value.cpu() if isinstance(value, torch.Tensor) else value, state)

@@ -10,7 +10,8 @@ from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from ignite_zero.adapters import ShardedState, map_objects
+from ignite_zero import tree
+from ignite_zero.adapters import ShardedState
 from ignite_zero.staging import Stager
 from ignite_zero.storage.base import Saver, SaveRequest, unwrapped
 
@@ -41,33 +42,30 @@ class ConsolidatingSaver(Saver):
     def save(self, objects: Any, request: SaveRequest) -> None:
         writes = self.writes_here(request)
 
-        def state_of(_: str, obj: Any) -> Any:
+        def state_of(_: tree.Path, obj: Any) -> Any:
             if isinstance(obj, ShardedState):
                 return obj.state_dict()  # a collective: every rank of the object's group takes part
             return obj.state_dict() if writes else None
 
-        self._commit(lambda: map_objects(objects, state_of), writes, request)
+        self._commit(lambda: tree.map_tree(state_of, objects), writes, request)
 
     def stage(self, objects: Any, request: SaveRequest) -> Callable[[], None]:
         """Copy each sharded object's snapshot, and on the ranks that write every plain object's state; the returned
         work assembles the copies and writes them."""
         writes = self.writes_here(request)
-        staged: dict[str, Any] = {}
-        groups: dict[str, Any] = {}
-
-        def copy(path: str, obj: Any) -> None:
+        staged: dict[tree.Path, Any] = {}
+        groups: dict[tree.Path, Any] = {}
+        for path, obj in tree.leaves(objects):
             if isinstance(obj, ShardedState):
                 groups[path] = obj.gather_group(dedicated=True)  # a collective the first time: in this thread
-                staged[path] = self._stager.stage(obj.snapshot(), path)
+                staged[path] = self._stager.stage(obj.snapshot(), tree.describe(path))
             elif writes:
-                staged[path] = self._stager.stage(obj.state_dict(), path)
+                staged[path] = self._stager.stage(obj.state_dict(), tree.describe(path))
 
-        map_objects(objects, copy)
-
-        def assemble(path: str, obj: Any) -> Any:
+        def assemble(path: tree.Path, obj: Any) -> Any:
             return obj.assemble(staged[path], groups[path]) if isinstance(obj, ShardedState) else staged.get(path)
 
-        return lambda: self._commit(lambda: map_objects(objects, assemble), writes, request)
+        return lambda: self._commit(lambda: tree.map_tree(assemble, objects), writes, request)
 
     def _commit(self, gather: Callable[[], dict[str, Any]], writes: bool, request: SaveRequest) -> None:
         started = time.perf_counter()
