@@ -53,23 +53,27 @@ class _SavePlan:
 class Checkpoint(ignite_checkpoint.Checkpoint):
     """Drop-in for :class:`ignite.handlers.Checkpoint` that saves sharded training state correctly.
 
-    Call it on every rank. Sharded objects in ``to_save`` (``ZeroRedundancyOptimizer``, fairscale ``OSS``,
-    any optimizer with ``consolidate_state_dict``, also next to a ``DistributedDataParallel`` model) are
-    consolidated on ``consolidate_recipient_rank``, which alone writes the file; the file holds the full,
-    current state, loadable on any number of ranks with :meth:`load_objects`.
+    Sharded objects in ``to_save`` (``ZeroRedundancyOptimizer``, fairscale ``OSS``, any optimizer with
+    ``consolidate_state_dict``, FSDP1 and FSDP2 models and their optimizers, also next to a
+    ``DistributedDataParallel`` model) are consolidated on ``consolidate_recipient_rank``, which alone writes the
+    file; the file holds the full, current state, loadable on any number of ranks with :meth:`load_objects`. Call
+    it on every rank that holds a shard of them; a handler of replicated state only may be called on any ranks,
+    on rank 0 alone included, as in ignite.
 
     Every argument of ignite's ``Checkpoint`` keeps its meaning. Deliberate differences:
 
-    - the ranks agree before each save: if a rank does not call it within ``sync_timeout`` seconds, every
-      rank that did raises :class:`~ignite_zero.CollectiveTimeoutError` naming the missing ranks; the
-      recipient's score and file name are used on every rank (a rank that computed another logs a warning);
-      an error on any rank, the recipient's write included, raises :class:`~ignite_zero.RankFailureError` on
-      every rank;
+    - the ranks of a save of sharded state agree before it: if one of them does not call it within
+      ``sync_timeout`` seconds, every rank that did raises :class:`~ignite_zero.CollectiveTimeoutError` naming
+      the missing ranks; the recipient's score and file name are used on every rank (a rank that computed
+      another logs a warning); an error on any rank, the recipient's write included, raises
+      :class:`~ignite_zero.RankFailureError` on every rank. A save of replicated state waits for nobody: the
+      recipient posts its outcome, which the other ranks take up at their next save;
     - old files are removed only once the new one is durable, and a file name that is reused is replaced
       atomically, so a failed save always leaves the previous checkpoints loadable;
     - a failed save raises; it is not retried;
-    - ``save_handler`` is called on the recipient rank only; a string or path makes a
-      :class:`~ignite_zero.DiskSaver` (durable writes, integrity trailer, mode ``0o666 & ~umask``);
+    - a string or path makes a :class:`~ignite_zero.DiskSaver` (durable writes, integrity trailer, mode
+      ``0o666 & ~umask``); any other handler is called as ignite calls it, on every rank, with ``{}`` for a
+      sharded object's entry on the ranks other than the recipient;
     - scores that are numpy scalars are stored as Python numbers, so files load with
       ``torch.load(..., weights_only=True)``.
 
