@@ -4,7 +4,7 @@
     python benchmarks/gpu_check.py --device cpu    # the same checks on CPU and gloo, to try the script itself
 
 World size 1 on one GPU: the default process group is NCCL, and the adapters move host data over the gloo
-group ``ignite_zero.transport.cpu_group`` makes. For FSDP1 (flat and original parameters), FSDP1 with
+group ``ignite_zero.groups.cpu_group`` makes. For FSDP1 (flat and original parameters), FSDP1 with
 ``CPUOffload(offload_params=True)``, FSDP2 and FSDP2 with ``CPUOffloadPolicy``, a model and its unsharded twin
 (plain module and Adam on the GPU) train alike for 3 steps, then:
 

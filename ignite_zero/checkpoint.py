@@ -99,8 +99,9 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             :mod:`ignite_zero.staging` for their memory); gathering and writing go on in a thread, over a gloo
             group of their own. The next save waits for the previous one, and so do the end of the run and an
             exception in it; an error of a background save is raised there, on every rank, or by :meth:`wait`.
-            ``last_checkpoint`` and ``SAVED_CHECKPOINT`` follow once the file is durable. Create asynchronous
-            handlers in the same order on every rank.
+            ``last_checkpoint`` and ``SAVED_CHECKPOINT`` follow once the file is durable. Handlers pair their
+            background rounds by the checkpoints they write, whatever order ranks create them in (see
+            :mod:`ignite_zero.background`); a handler other than ours then runs in that thread too.
 
     Examples:
         .. code-block:: python

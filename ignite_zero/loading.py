@@ -32,6 +32,7 @@ from ignite_zero import transport, tree
 from ignite_zero.adapters import ShardedState, adapt
 from ignite_zero.adapters.fsdp import full_optimizer_state_to_plain, owns_parameters
 from ignite_zero.agreement import rank_and_world, settle
+from ignite_zero.groups import cpu_group
 from ignite_zero.storage.readers import Filled, Reader, entries_of, reader_for
 
 __all__ = ["restore"]
@@ -119,7 +120,7 @@ def _distribute(entries: Any, needs: list[Any], seers: list[int]) -> Any:
     needy = [r for r in range(world_size) if r not in seers]
     if not needy:
         return entries
-    group = transport.cpu_group()
+    group = cpu_group()
     if rank in needy:
         return transport.receive_from(seers[0], group)
     if rank == seers[0]:

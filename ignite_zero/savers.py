@@ -28,9 +28,10 @@ from ignite.handlers.checkpoint import BaseSaveHandler
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from ignite_zero import _compat, integrity, sharded, transport, tree
+from ignite_zero import _compat, integrity, sharded, tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
+from ignite_zero.groups import cpu_group
 from ignite_zero.storage.base import Saver, SaveRequest
 from ignite_zero.storage.consolidated import ConsolidatingSaver
 
@@ -415,7 +416,7 @@ class ShardedSaver(_DirectorySaver):
         it; return the function that waits for the write and seals the directory, to run in another thread.
 
         DCP keeps the host copies for the next save (``cache_staged_state_dict``); ``group`` must be a gloo group
-        of its own (see :func:`ignite_zero.transport.cpu_group`), since DCP's collectives then run beside training.
+        of its own (see :func:`ignite_zero.groups.cpu_group`), since DCP's collectives then run beside training.
         """
         partial, writer = self._begin(state, filename, timeout, stream, ranks, cache=True)
         started = time.perf_counter()
@@ -517,10 +518,11 @@ def _alone(ranks: Sequence[int] | None) -> bool:
 
 
 def _dcp_group(request: SaveRequest, dedicated: bool) -> Any:
-    """The gloo group of every rank for ``torch.distributed.checkpoint``'s collectives; ``None`` without one."""
+    """The gloo group of every rank for ``torch.distributed.checkpoint``'s collectives; ``None`` without one. An
+    asynchronous save's group is its stream's own."""
     if not request.collective:
         return None
-    return transport.cpu_group(dedicated=dedicated)
+    return cpu_group(dedicated=request.stream if dedicated else None)
 
 
 def _install_directory(source: Path, target: Path) -> None:

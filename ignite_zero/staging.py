@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ignite_zero import transport
+from ignite_zero.pickling import join_tensors, split_tensors
 
 __all__ = ["Stager"]
 
@@ -47,11 +47,11 @@ class Stager:
             state: nested containers of tensors and other picklable values.
             name: which buffers to use: one set per object saved.
         """
-        structure, tensors = transport.split_tensors(state)
+        structure, tensors = split_tensors(state)
         copies = [self._copy(name, index, tensor.detach()) for index, tensor in enumerate(tensors)]
         if any(tensor.device.type == "cuda" for tensor in tensors):
             torch.cuda.synchronize()  # the copies were issued without blocking, one after the other
-        return transport.join_tensors(structure, copies)
+        return join_tensors(structure, copies)
 
     def _copy(self, name: str, index: int, tensor: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get((name, index))

@@ -193,3 +193,26 @@ def test_a_recipient_killed_in_a_background_write_fails_the_others_and_the_previ
     assert results[1] == (3, str(tmp_path / "checkpoint_1.pt"))  # raised by the save of iteration 3
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == ["checkpoint_1.pt"]
     verify_file(tmp_path / "checkpoint_1.pt")
+
+
+def _creation_order(rank, world_size, dirname):
+    model = tiny_model()
+    optimizer = zero_adam(model)
+    trainer = _trainer(model, optimizer, rank)
+    names = ["first", "second"] if rank == 0 else ["second", "first"]  # created in another order on rank 1
+    handlers = {
+        name: Checkpoint({"optimizer": optimizer}, DiskSaver(dirname / name), n_saved=1, async_save=True)
+        for name in names
+    }
+    for name in ("first", "second"):  # attached alike: the saves themselves run in the same order
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, handlers[name])
+    trainer.run(range(2), max_epochs=2)
+    twin = Checkpoint({"optimizer": optimizer}, DiskSaver(dirname / "first", require_empty=False), async_save=True)
+    with pytest.raises(ValueError, match=r"Two asynchronous Checkpoint handlers write the same checkpoints"):
+        twin(trainer)
+    return {name: sorted(os.listdir(dirname / name)) for name in handlers}
+
+
+def test_asynchronous_handlers_created_in_another_order_on_each_rank_pair_by_what_they_write(tmp_path):
+    for listing in run_ranks(_creation_order, 2, tmp_path, timeout=60):
+        assert listing == {"first": ["optimizer_4.pt"], "second": ["optimizer_4.pt"]}

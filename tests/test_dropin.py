@@ -253,7 +253,7 @@ def test_model_checkpoint_last_checkpoint_needs_a_disk_saver(tmp_path):
     handler.save_handler = lambda checkpoint, filename: None
     handler(Engine(lambda e, b: None), {"model": tiny_model()})
     with pytest.raises(RuntimeError, match="Internal error, save_handler should be DiskSaver"):
-        handler.last_checkpoint
+        _ = handler.last_checkpoint
 
 
 def test_torch_save_keywords_and_the_legacy_format(tmp_path, capsys):

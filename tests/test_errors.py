@@ -43,9 +43,9 @@ def test_ignite_disk_saver_rank_counts_as_given(tmp_path):
 
 
 def test_object_without_state_dict(tmp_path):
-    with pytest.raises(TypeError, match=r"Object <class 'int'> should have `state_dict` method: object \['data'\]\[1\]"):
+    with pytest.raises(TypeError, match=r"<class 'int'> should have `state_dict` method: object \['data'\]\[1\]"):
         Checkpoint({"model": tiny_model(), "data": [tiny_model(), 2]}, tmp_path)
-    with pytest.raises(TypeError, match=r"Object <class 'str'> should have `load_state_dict` method: object \['data'\]"):
+    with pytest.raises(TypeError, match=r"<class 'str'> should have `load_state_dict` method: object \['data'\]"):
         Checkpoint.load_objects({"data": "x"}, {"data": {}})
 
 

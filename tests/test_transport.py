@@ -19,8 +19,10 @@ from launcher import run_ranks
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from ignite_zero import transport
-from ignite_zero.transport import DEFAULT_CHUNK_BYTES, Pieces, cpu_group, gather_pieces, gather_to, scatter_from
+from ignite_zero import pickling, transport
+from ignite_zero.adapters.regions import Pieces, gather_pieces
+from ignite_zero.groups import cpu_group
+from ignite_zero.transport import DEFAULT_CHUNK_BYTES, gather_to, receive_from, send_failure, send_to
 
 # Small chunks force packing, slicing of big tensors and partial rows of non-contiguous ones;
 # 100 bytes is not a multiple of 8 or 16 on purpose.
@@ -131,7 +133,7 @@ def _assert_received_layout(obj: Any) -> None:
 # Distributed scenarios
 
 
-def _test_gather_scatter(rank: int, world_size: int) -> None:
+def _test_gather_and_send(rank: int, world_size: int) -> None:
     mine = _make_obj(rank)
     for dst, chunk in itertools.product(range(world_size), CHUNKS):
         result = gather_to(mine, dst, chunk_bytes=chunk)
@@ -144,27 +146,24 @@ def _test_gather_scatter(rank: int, world_size: int) -> None:
             assert_same(obj, _make_obj(r), f"dst={dst} chunk={chunk} rank{r}")
             if r != dst:
                 _assert_received_layout(obj)
-    # Round trip: gather on one rank, scatter back from it.
+    # Round trip: gather on one rank, and send each rank its object back, point to point.
     src = world_size - 1
     gathered = gather_to(mine, src)
     for chunk in (100, DEFAULT_CHUNK_BYTES):
-        back = scatter_from(gathered if rank == src else None, src, chunk_bytes=chunk)
-        assert_same(back, _make_obj(rank))
         if rank == src:
-            assert back is mine
+            for r in range(world_size - 1):
+                send_to(gathered[r], r, chunk_bytes=chunk)
         else:
+            back = receive_from(src)
+            assert_same(back, _make_obj(rank))
             _assert_received_layout(back)
-    # Every rank as the source once.
-    for src in range(world_size):
-        objs = [_make_obj(r) for r in range(world_size)] if rank == src else None
-        assert_same(scatter_from(objs, src, chunk_bytes=100), _make_obj(rank))
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_gather_scatter(world_size: int) -> None:
-    """Every dst, several chunk sizes, all edge cases of `_make_obj`, scatter round trips."""
-    run_ranks(_test_gather_scatter, world_size)
+def test_gather_and_send(world_size: int) -> None:
+    """Every dst, several chunk sizes, all edge cases of `_make_obj`, point-to-point round trips."""
+    run_ranks(_test_gather_and_send, world_size)
 
 
 def _test_errors(rank: int, world_size: int) -> None:
@@ -198,30 +197,26 @@ def _test_errors(rank: int, world_size: int) -> None:
         assert gather_to(obj, 1) is None
     expect_ok(gather_to(ok, 1), 1)
 
-    # scatter_from with the wrong number of objects: every rank raises, none hangs.
+    # A failure sent in place of an object, and an object that cannot be sent: the receiver raises, never hangs.
     if rank == 0:
-        with pytest.raises(ValueError, match="one object per rank"):
-            scatter_from([ok], 0)
+        send_failure(ValueError("no part for you"), 1)
+        send_to(ok, 2)
+    elif rank == 1:
+        with pytest.raises(RuntimeError, match=r"rank 0 could not send the object: rank 0: ValueError: no part"):
+            receive_from(0)
+        with pytest.raises(TypeError, match="only plain strided tensors"):
+            send_to({"bad": torch.eye(2).to_sparse()}, 2)
     else:
-        with pytest.raises(RuntimeError, match=r"rank 0 could not send the object.*one object per rank"):
-            scatter_from(None, 0)
-    # One bad object: that rank and src raise, the other rank gets its object.
-    objs = [{"x": torch.zeros(3)}, ok, {"bad": torch.eye(2).to_sparse()}] if rank == 1 else None
-    if rank == 1:
-        with pytest.raises(RuntimeError, match="rank 2: TypeError"):
-            scatter_from(objs, 1)
-    elif rank == 2:
-        with pytest.raises(RuntimeError, match="rank 1 could not send"):
-            scatter_from(objs, 1)
-    else:
-        assert_same(scatter_from(objs, 1), ok)
+        assert_same(receive_from(0), {"x": torch.zeros(3)})  # rank 0's own
+        with pytest.raises(RuntimeError, match="rank 1 could not send the object: rank 1: TypeError"):
+            receive_from(1)
     expect_ok(gather_to(ok, 2), 2)
 
     # Bad arguments fail the same way on every rank, before any message.
     with pytest.raises(ValueError, match="should be a global rank in the group"):
         gather_to(ok, world_size)
     with pytest.raises(ValueError, match="should be a global rank in the group"):
-        scatter_from(None, -1)
+        receive_from(-1)
     expect_ok(gather_to(ok, 0), 0)
 
 
@@ -241,8 +236,10 @@ def _test_subgroup(rank: int, world_size: int) -> None:
         assert result[2] is mine
         for obj, r in zip(result, (1, 2, 3), strict=True):
             assert_same(obj, _make_obj(r))
-    objs = [_make_obj(r) for r in (1, 2, 3)] if rank == 2 else None
-    assert_same(scatter_from(objs, 2, group), _make_obj(rank))
+    if rank == 2:
+        send_to(_make_obj(1), 1, group)
+    elif rank == 1:
+        assert_same(receive_from(2, group), _make_obj(1))
     with pytest.raises(ValueError, match="should be a global rank in the group"):
         gather_to(mine, 0, group)
 
@@ -426,8 +423,10 @@ def _test_cuda_sender(rank: int, world_size: int) -> None:
         assert result[0] is not obj and result[0]["a"].device.type == "cpu"
         for a, e in zip(result, expected, strict=True):
             assert_same(a, e)
-    back = scatter_from([{"a": torch.ones(3, device="cuda")}] * world_size if rank == 0 else None, 0)
-    assert torch.equal(back["a"].cpu(), torch.ones(3))
+    if rank == 0:
+        send_to({"a": torch.ones(3, device="cuda")}, 1)
+    else:
+        assert torch.equal(receive_from(0)["a"], torch.ones(3))
 
 
 @pytest.mark.distributed
@@ -442,10 +441,9 @@ def test_cuda_sender() -> None:
 
 
 def test_without_process_group() -> None:
-    """No process group: a one-rank gather/scatter, as in ignite's serial model."""
+    """No process group: a one-rank gather, as in ignite's serial model."""
     obj = _make_obj(0)
     assert gather_to(obj, 0)[0] is obj
-    assert scatter_from([obj], 0) is obj
     with pytest.raises(ValueError, match="`dst` must be 0"):
         gather_to(obj, 1)
 
@@ -472,7 +470,7 @@ def test_copy_flat_range(src: torch.Tensor) -> None:
 @pytest.mark.parametrize("chunk", CHUNKS[:3])
 def test_plan_covers_each_element_once(chunk: int) -> None:
     """Messages carry every element of every tensor once, in order, within the chunk, aligned in packs."""
-    _, tensors = transport._split(_make_obj(1))
+    _, tensors = pickling.split_tensors(_make_obj(1))
     metas = [(t.dtype, t.numel()) for t in tensors]
     covered = [0] * len(metas)
     for message in transport._plan(metas, chunk):

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FlatParameter, FullyShardedDataParallel, Shar
 
 from ignite_zero import _compat
 from ignite_zero.adapters._fsdp_common import LoadPlan, ParamLayout, Slot, add_value, clean_name, whole_slot
-from ignite_zero.transport import Pieces
+from ignite_zero.adapters.regions import Pieces
 
 __all__ = ["check", "model_pieces", "param_layouts", "plan_model_load"]
 

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ignite_zero.adapters._fsdp_common import LoadPlan, ParamLayout, Slot, add_value, clean_name, whole_slot
-from ignite_zero.transport import Pieces
+from ignite_zero.adapters.regions import Pieces
 
 __all__ = [
     "check",

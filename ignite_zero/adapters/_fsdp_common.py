@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ignite_zero.transport import Pieces
+from ignite_zero.adapters.regions import Pieces
 
 __all__ = ["LoadPlan", "ParamLayout", "Slot", "add_piece", "add_value", "clean_name", "whole_slot"]
 

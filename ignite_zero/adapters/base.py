@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ignite_zero import tree
 from ignite_zero.agreement import rank_and_world
+from ignite_zero.groups import cpu_group
 
 __all__ = ["Part", "ShardedState", "copy_structure", "group_ranks"]
 
@@ -114,19 +115,17 @@ class ShardedState(ABC):
         """Restore from what a sharded load read: the filled :meth:`sharded_template`, or the wanted entries."""
         self.load_state_dict(state)
 
-    def gather_group(self, dedicated: bool = False) -> Any:
+    def gather_group(self, dedicated: str | None = None) -> Any:
         """The gloo group snapshots travel over: that of every rank, or ``None`` without a process group.
 
         Args:
-            dedicated: a group of its own, kept apart from training collectives (see
-                :func:`ignite_zero.transport.cpu_group`). Create it on every rank at the same point, before use
+            dedicated: names a group of its own, kept apart from training collectives and other uses (see
+                :func:`ignite_zero.groups.cpu_group`). Create it on every rank at the same point, before use
                 from another thread.
         """
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        from ignite_zero import transport
-
-        return transport.cpu_group(dedicated=dedicated)
+        return cpu_group(dedicated=dedicated)
 
     @abstractmethod
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """FSDP1 (``FullyShardedDataParallel``) and FSDP2 (``fully_shard``) model and optimizer state, whole, on one rank.
 
-Saving: every rank describes what it holds as pieces of full tensors, and :func:`ignite_zero.transport.gather_pieces`
+Saving: every rank describes what it holds as pieces of full tensors, and :func:`ignite_zero.gather_pieces`
 assembles them on the recipient, which receives each region once (its own first) straight into place. Other
 ranks send views of their shards: their memory does not grow beyond the transport's staging buffer, and
 nothing full is ever built on a GPU. torch's own routes do worse on this: FSDP1's full state dicts unshard
@@ -37,10 +37,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FlatParameter, FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
-from ignite_zero import _compat, transport, tree
+from ignite_zero import _compat, tree
 from ignite_zero.adapters import _fsdp1, _fsdp2
 from ignite_zero.adapters._fsdp_common import ParamLayout, Slot, add_value, clean_name, whole_slot
 from ignite_zero.adapters.base import ShardedState
+from ignite_zero.adapters.regions import Pieces, gather_pieces
 from ignite_zero.agreement import rank_and_world
 
 __all__ = [
@@ -196,14 +197,14 @@ class FSDPModelState(_FSDPState):
     def __init__(self, module: nn.Module, recipient_rank: int = 0) -> None:
         super().__init__(module, module, recipient_rank)
 
-    def snapshot(self) -> transport.Pieces:
+    def snapshot(self) -> Pieces:
         """This rank's shards, buffers and extra state, as pieces of the full tensors (views)."""
         with torch.no_grad():
             return _kind(self.module).model_pieces(self.module)
 
-    def assemble(self, snapshot: transport.Pieces, group: Any) -> dict[str, Any]:
+    def assemble(self, snapshot: Pieces, group: Any) -> dict[str, Any]:
         """Collective over ``group``: the full model state on the recipient, ``{}`` on every other rank."""
-        full = transport.gather_pieces(snapshot, self.recipient_rank, group)
+        full = gather_pieces(snapshot, self.recipient_rank, group)
         # Every tensor was allocated by the gather: never a view of live parameters.
         return {} if full is None else {key[0]: value for key, value in full.items()}
 
@@ -284,12 +285,12 @@ class FSDPOptimizerState(_FSDPState):
                 "it is paired with: build the optimizer on that module's parameters, after sharding it"
             )
 
-    def snapshot(self) -> tuple[transport.Pieces, list[dict[str, Any]]]:
+    def snapshot(self) -> tuple[Pieces, list[dict[str, Any]]]:
         """This rank's part of the optimizer state as pieces of the full tensors (views), and the parameter groups
         by name."""
         layouts = _param_layouts(self.module)
         with torch.no_grad():
-            pieces = transport.Pieces()
+            pieces = Pieces()
             groups = []
             for group in self.obj.param_groups:
                 names = []
@@ -304,10 +305,10 @@ class FSDPOptimizerState(_FSDPState):
                 groups.append({**_hyperparameters(group), "params": names})
         return pieces, groups
 
-    def assemble(self, snapshot: tuple[transport.Pieces, list[dict[str, Any]]], group: Any) -> dict[str, Any]:
+    def assemble(self, snapshot: tuple[Pieces, list[dict[str, Any]]], group: Any) -> dict[str, Any]:
         """Collective over ``group``: the full optimizer state on the recipient, ``{}`` on every other rank."""
         pieces, groups = snapshot
-        full = transport.gather_pieces(pieces, self.recipient_rank, group)
+        full = gather_pieces(pieces, self.recipient_rank, group)
         if full is None:
             return {}
         state: dict[str, dict[str, Any]] = {}
@@ -420,7 +421,7 @@ def full_optimizer_state_to_plain(
 # Optimizer state: element-wise state follows its parameter's slots; anything else is the same on every rank
 
 
-def _add_state(pieces: transport.Pieces, key: tuple[str, ...], layout: ParamLayout, slot: Slot, value: Any) -> None:
+def _add_state(pieces: Pieces, key: tuple[str, ...], layout: ParamLayout, slot: Slot, value: Any) -> None:
     """Add one entry of a parameter's optimizer state, as the part of ``slot``'s original parameter."""
     if isinstance(value, DTensor):
         param = layout.param

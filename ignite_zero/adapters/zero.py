@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ignite_zero import _compat, transport, tree
 from ignite_zero.adapters.base import ShardedState, copy_structure, group_ranks
+from ignite_zero.groups import cpu_group
 
 __all__ = ["OptimizerStatePart", "ZeROState", "consolidate", "recipient_keyword", "as_saved_optimizer_state"]
 
@@ -88,7 +89,7 @@ def consolidate(optimizer: Any, recipient_rank: int) -> None:
     # (a learning-rate scheduler) reach the local optimizer whose state is gathered.
     for exposed, local in zip(optimizer.param_groups, optimizer.optim.param_groups):
         local.update((key, value) for key, value in exposed.items() if key != "params")
-    states = transport.gather_to(optimizer.optim.state_dict(), recipient_rank, transport.cpu_group(group))
+    states = transport.gather_to(optimizer.optim.state_dict(), recipient_rank, cpu_group(group))
     setattr(optimizer, attribute, states or [])
 
 
@@ -210,12 +211,12 @@ class ZeROState(ShardedState):
         state = {index: value for part in snapshots for index, value in part["state"].items()}
         return {"state": dict(sorted(state.items())), "param_groups": snapshot["param_groups"]}
 
-    def gather_group(self, dedicated: bool = False) -> Any:
+    def gather_group(self, dedicated: str | None = None) -> Any:
         """The gloo group over the ranks of the optimizer's own process group (none for one that consolidates
         itself)."""
         if not _knows_its_partition(self.obj):
             return None
-        return transport.cpu_group(process_group_of(self.obj), dedicated=dedicated)
+        return cpu_group(process_group_of(self.obj), dedicated=dedicated)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """The state of the parameters this rank owns, by global index (as strings: names in a sharded checkpoint),

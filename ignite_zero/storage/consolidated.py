@@ -57,7 +57,7 @@ class ConsolidatingSaver(Saver):
         groups: dict[tree.Path, Any] = {}
         for path, obj in tree.leaves(objects):
             if isinstance(obj, ShardedState):
-                groups[path] = obj.gather_group(dedicated=True)  # a collective the first time: in this thread
+                groups[path] = obj.gather_group(dedicated=request.stream)  # a collective the first time: in this thread
                 staged[path] = self._stager.stage(obj.snapshot(), tree.describe(path))
             elif writes:
                 staged[path] = self._stager.stage(obj.state_dict(), tree.describe(path))
