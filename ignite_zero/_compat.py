@@ -54,7 +54,7 @@ def default_store() -> dist.Store:
 def fairscale_oss_class() -> type | None:
     """fairscale's ``OSS`` optimizer class if fairscale is importable, else ``None``."""
     try:
-        from fairscale.optim import OSS
+        from fairscale.optim import OSS  # type: ignore[import-untyped]
     except ImportError:
         return None
     return OSS

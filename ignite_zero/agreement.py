@@ -133,7 +133,7 @@ def agree(
     key = f"{_PREFIX}{stream}/{number}"
 
     try:
-        store.set(f"{key}/p{rank}", pickle.dumps((what, payload)))
+        store.set(f"{key}/p{rank}", pickle.dumps((what, payload)))  # type: ignore[arg-type]  # bytes work too
         store.add(f"{key}/n", 1)
         try:
             _wait_for_all(store, key, rank, members, what, timeout)
@@ -166,7 +166,7 @@ def post(key: str, value: Any) -> None:
     """
     if rank_and_world()[1] == 1:
         return
-    _channel().store.set(f"{_PREFIX}posted/{key}", pickle.dumps(value))
+    _channel().store.set(f"{_PREFIX}posted/{key}", pickle.dumps(value))  # type: ignore[arg-type]
 
 
 def peek(key: str) -> Any:
@@ -237,7 +237,7 @@ def _wait_for_all(store: dist.Store, key: str, rank: int, members: list[int], wh
                 return
             raise _timeout_error(rank, pickle.loads(state[len(_ABORT) :]), members, what, timeout)
         if store.add(f"{key}/n", 0) >= len(members):
-            if store.compare_set(state_key, "", _GO) == _GO:
+            if store.compare_set(state_key, "", _GO) == _GO:  # type: ignore[arg-type]
                 return
             continue
         now = time.monotonic()
@@ -248,7 +248,7 @@ def _wait_for_all(store: dist.Store, key: str, rank: int, members: list[int], wh
                 # A missing rank is alive and still busy (e.g. writing the file): keep waiting for it.
                 deadline = now + timeout - silent_for
                 continue
-            if store.compare_set(state_key, "", _ABORT + pickle.dumps(missing)) == _GO:
+            if store.compare_set(state_key, "", _ABORT + pickle.dumps(missing)) == _GO:  # type: ignore[arg-type]
                 return
             raise _timeout_error(rank, missing, members, what, timeout)
         time.sleep(pause)

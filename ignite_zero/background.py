@@ -125,7 +125,7 @@ class BackgroundSaves:
                 failure,
                 what=f"checkpoint save of {pending.what}",
                 timeout=self.timeout,
-                stream=self.stream,
+                stream=self.stream or "main",
                 ranks=ranks,
             )
         except Exception as error:  # raised by wait(), in the training thread

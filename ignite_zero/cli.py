@@ -146,7 +146,11 @@ def _consolidate(source: Path, target: Path, out: TextIO) -> int:
     flat: dict[str, Any] = {}
     for batch in _batches(names, sizes):  # the whole state is held at the end; batches only show progress
         wanted = set(batch)
-        part = sharded.template(metadata, lambda p, wanted=wanted: sharded.name_of(p) in wanted)
+
+        def keep(path: tuple[Any, ...], wanted: set[str] = wanted) -> bool:
+            return sharded.name_of(path) in wanted
+
+        part = sharded.template(metadata, keep)
         sharded.load(part, source)
         flat.update(part)
         progress.advance(sum(sizes[name] for name in batch))

@@ -46,14 +46,10 @@ def restore(
     reader = None if isinstance(checkpoint, Mapping) else reader_for(checkpoint)
     rank, world_size = rank_and_world()
     if world_size == 1 or not any(isinstance(obj, ShardedState) for _, obj in tree.leaves(objects)):
-        if reader is None:
-            entries = entries_of(objects, checkpoint)
-        else:
-            reader.verify()
-            entries = reader.entries(objects, weights_only)
-        entries = _for_plain_optimizers(objects, entries)
-        _pair(objects, entries, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
-        _pair(objects, entries, lambda path, obj, entry: _load_entry(obj, entry, kwargs))
+        local = entries_of(objects, checkpoint) if reader is None else _verified(reader).entries(objects, weights_only)
+        local = _for_plain_optimizers(objects, local)
+        _pair(objects, local, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
+        _pair(objects, local, lambda path, obj, entry: _load_entry(obj, entry, kwargs))
         return
 
     parts = tree.map_tree(lambda _, obj: obj.part_needed() if isinstance(obj, ShardedState) else None, objects)
@@ -68,7 +64,8 @@ def restore(
     seers = [r for r, (_, seen, _) in enumerate(reports) if seen is not None]
     _check_seers(checkpoint, reader, reports, seers)
 
-    entries, failure = None, None
+    entries: Any = None
+    failure = None
     try:
         if reader is None:
             entries = entries_of(objects, checkpoint)
@@ -88,6 +85,11 @@ def restore(
     except Exception as error:
         failure = error
     settle(failure, what="checkpoint load (restoring objects)", timeout=sync_timeout)
+
+
+def _verified(reader: Reader) -> Reader:
+    reader.verify()
+    return reader
 
 
 def _check_seers(checkpoint: Any, reader: Reader | None, reports: list[tuple[str, Any, Any]], seers: list[int]) -> None:
@@ -173,7 +175,9 @@ def _for_plain_optimizers(objects: Any, entries: Any) -> Any:
 
 def _names_parameters(entry: Any) -> bool:
     groups = entry.get("param_groups") if isinstance(entry, Mapping) else None
-    return bool(groups) and isinstance(groups[0], Mapping) and any(isinstance(p, str) for p in groups[0]["params"])
+    if not groups or not isinstance(groups[0], Mapping):
+        return False
+    return any(isinstance(p, str) for p in groups[0]["params"])
 
 
 def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:

@@ -19,8 +19,9 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -235,7 +236,7 @@ class DiskSaver(_DirectorySaver, ConsolidatingSaver):
         stream = _ErrorKeepingStream(f)
         with _compat.serialization_crc32():
             try:
-                torch.save(checkpoint, stream, **self.kwargs)
+                torch.save(checkpoint, cast(IO[bytes], stream), **self.kwargs)
             except Exception as error:
                 if stream.error is not None:  # the real cause, e.g. ENOSPC or EIO, instead of torch's summary
                     raise stream.error from error
@@ -420,7 +421,10 @@ class ShardedSaver(_DirectorySaver):
         """
         partial, writer = self._begin(state, filename, timeout, stream, ranks, cache=True)
         started = time.perf_counter()
-        future = dcp.async_save(dict(state), storage_writer=writer, process_group=group, no_dist=_alone(ranks))
+        # a Future: with DCP's default stager, staging is done once async_save returns
+        future = cast(
+            Future, dcp.async_save(dict(state), storage_writer=writer, process_group=group, no_dist=_alone(ranks))
+        )
 
         def finish() -> None:
             failure = None

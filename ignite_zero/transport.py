@@ -103,7 +103,7 @@ def resolve(group: ProcessGroup | None, root: int, name: str) -> Ranks:
     ranks = dist.get_process_group_ranks(group)
     if root not in ranks:
         raise ValueError(f"Argument `{name}` should be a global rank in the group {ranks}, but given {root}")
-    if cpu_backend(group) in ("", "nccl"):
+    if group is not None and cpu_backend(group) in ("", "nccl"):
         raise ValueError("`group` has no backend for CPU tensors (NCCL only?): pass `cpu_group(group)` instead")
     return Ranks(group, len(ranks), rank, ranks.index(root))
 

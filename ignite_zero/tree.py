@@ -49,9 +49,9 @@ def map_tree(
         if mapped and not kept:
             return OMIT
         return OrderedDict(kept) if isinstance(tree, OrderedDict) else dict(kept)
-    mapped = [map_tree(func, value, is_leaf=is_leaf, path=(*path, index)) for index, value in enumerate(tree)]
-    mapped = [{} if value is OMIT else value for value in mapped]
-    return mapped if isinstance(tree, list) else tuple(mapped)
+    children = [map_tree(func, value, is_leaf=is_leaf, path=(*path, index)) for index, value in enumerate(tree)]
+    positions = [{} if value is OMIT else value for value in children]
+    return positions if isinstance(tree, list) else tuple(positions)
 
 
 def leaves(tree: Any, *, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[Path, Any]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,12 +124,12 @@ class DirectoryReader(Reader):
             if template is not None:
                 templates[path] = template
                 continue
-            wants = obj.wants if isinstance(obj, ShardedState) else (lambda _: True)
-            flat.update(
-                sharded.template(
-                    metadata, lambda p, path=path, wants=wants: p[: len(path)] == path and wants(p[len(path) :])
-                )
-            )
+            wants: Callable[[tree.Path], bool] = obj.wants if isinstance(obj, ShardedState) else (lambda _: True)
+
+            def keep(p: tree.Path, path: tree.Path = path, wants: Callable[[tree.Path], bool] = wants) -> bool:
+                return p[: len(path)] == path and wants(p[len(path) :])
+
+            flat.update(sharded.template(metadata, keep))
         state: dict[str, Any] = dict(flat)
         for path, template in templates.items():
             state[sharded.name_of(path)] = template
