@@ -31,8 +31,8 @@ from ignite_zero.adapters import ShardedState, adapt
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, RankFailureError, busy, peek, post, rank_and_world, settle
 from ignite_zero.background import BackgroundSaves
 from ignite_zero.loading import restore
-from ignite_zero.savers import DiskSaver, ShardedSaver, check_filename
-from ignite_zero.storage import Saver, SaveRequest, as_saver
+from ignite_zero.savers import check_filename
+from ignite_zero.storage import Saver, SaveRequest, as_saver, saver_for
 
 __all__ = ["Checkpoint", "ModelCheckpoint"]
 
@@ -125,7 +125,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
     def __init__(
         self,
         to_save: Mapping,
-        save_handler: str | Path | Callable | BaseSaveHandler,
+        save_handler: str | Path | Callable | BaseSaveHandler | Saver,
         filename_prefix: str = "",
         score_function: Callable[[Engine], int | float] | None = None,
         score_name: str | None = None,
@@ -145,7 +145,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         saver = None if isinstance(save_handler, (str, Path)) else as_saver(save_handler)
         recipient = _resolve_recipient(consolidate_recipient_rank, save_on_rank, saver)
         if isinstance(save_handler, (str, Path)):
-            save_handler = saver = DiskSaver(save_handler, create_dir=True, save_on_rank=recipient)
+            save_handler = saver = saver_for(save_handler, create_dir=True, save_on_rank=recipient)
         assert saver is not None
         saver.bind(recipient)
         if filename_prefix:
@@ -397,7 +397,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         :meth:`load_objects`, so sharded objects are restored on any world size. Call it on every rank.
         """
         self.wait()
-        dirname = getattr(self.save_handler, "dirname", None)
+        dirname = self.saver.directory
         if dirname is None:
             raise AttributeError(
                 f"Checkpoint's `save_handler` should be a DiskSaver (with a `dirname`), given {type(self.save_handler)}"
@@ -411,7 +411,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             score=filename_components.get("score", None),
             global_step=global_step,
         )
-        type(self).load_objects(to_load=to_load, checkpoint=Path(dirname) / filename, **(load_kwargs or {}))
+        type(self).load_objects(to_load=to_load, checkpoint=dirname / filename, **(load_kwargs or {}))
 
     @staticmethod
     def load_objects(
@@ -508,7 +508,7 @@ class ModelCheckpoint(Checkpoint):
         **kwargs: Any,
     ) -> None:
         recipient = _resolve_recipient(consolidate_recipient_rank, save_on_rank, None)
-        saver = DiskSaver(
+        saver = saver_for(
             dirname, atomic=atomic, create_dir=create_dir, require_empty=require_empty, save_on_rank=recipient, **kwargs
         )
         super().__init__(
@@ -531,7 +531,7 @@ class ModelCheckpoint(Checkpoint):
     def last_checkpoint(self) -> str | Path | None:
         if not self._retained():
             return None
-        if not isinstance(self.save_handler, (DiskSaver, ShardedSaver, ignite_checkpoint.DiskSaver)):
+        if self.saver.directory is None:
             raise RuntimeError(f"Internal error, save_handler should be DiskSaver, but has {type(self.save_handler)}.")
         return super().last_checkpoint
 

@@ -25,7 +25,6 @@ from typing import IO, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
-from ignite.handlers.checkpoint import BaseSaveHandler
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
@@ -59,7 +58,7 @@ def check_filename(filename: str) -> str:
     return filename
 
 
-class _DirectorySaver(BaseSaveHandler, Saver):
+class _DirectorySaver(Saver):
     """What the file and the directory savers share: the target directory, the one rank that writes (or, for a
     sharded save, seals and removes), the cleanup after interrupted saves, and retention."""
 
@@ -90,8 +89,9 @@ class _DirectorySaver(BaseSaveHandler, Saver):
     def identity(self) -> str:
         return f"{type(self).__qualname__}:{self.dirname}"
 
-    def location(self, filename: str) -> Path:
-        return self.dirname / filename
+    @property
+    def directory(self) -> Path:
+        return self.dirname
 
     def list(self) -> list[str]:
         if not self.dirname.is_dir():

@@ -9,11 +9,13 @@ subclassing :class:`Saver`; ``checkpoint.py`` knows no concrete one.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ignite.handlers.checkpoint import BaseSaveHandler
 
 from ignite_zero.agreement import rank_and_world
 
@@ -58,12 +60,14 @@ class SaveRequest:
         return rank_and_world()[0] == self.recipient
 
 
-class Saver(ABC):
+class Saver(BaseSaveHandler):
     """Where and how checkpoints become durable.
 
     Every method is called on every rank that takes part in a save (:attr:`SaveRequest.ranks`); each saver decides
     what its rank does. ``save`` and ``stage`` return on a rank once that rank's part is done; the policy then
-    shares the outcome among the ranks, so an error on one is an error on all.
+    shares the outcome among the ranks, so an error on one is an error on all. A saver is an ignite
+    ``BaseSaveHandler`` too: called as ``saver(checkpoint, filename, metadata)``, it writes a state already built,
+    so stock ignite can use it.
     """
 
     #: extension of the checkpoints' names
@@ -82,9 +86,14 @@ class Saver(ABC):
         """What tells this saver's checkpoints apart from another saver's, the same on every rank."""
         return type(self).__qualname__
 
+    @property
+    def directory(self) -> Path | None:
+        """Where the checkpoints live, ``None`` where the saver cannot say (a callable handler, say)."""
+        return None
+
     def location(self, filename: str) -> str | Path:
-        """What ``last_checkpoint`` returns for the checkpoint ``filename``."""
-        return filename
+        """What ``last_checkpoint`` returns for the checkpoint ``filename``: its path, else its name."""
+        return filename if self.directory is None else self.directory / filename
 
     @abstractmethod
     def save(self, objects: Any, request: SaveRequest) -> None:

@@ -4,7 +4,7 @@ called as ignite calls it."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,22 +42,24 @@ class HandlerSaver(ConsolidatingSaver):
         kind = type(self.handler)
         return f"{kind.__module__}.{kind.__qualname__}:{getattr(self.handler, 'dirname', '')}"
 
-    def location(self, filename: str) -> str | Path:
+    @property
+    def directory(self) -> Path | None:
         # as ignite's Checkpoint.last_checkpoint: a path for its DiskSaver, the file name for any other handler
-        if isinstance(self.handler, IgniteDiskSaver):
-            return self.handler.dirname / filename
-        return filename
+        return self.handler.dirname if isinstance(self.handler, IgniteDiskSaver) else None
 
     def writes_here(self, request: SaveRequest) -> bool:
         return True
 
     def write(self, content: Any, request: SaveRequest) -> None:
+        self(content, request.filename, request.metadata)
+
+    def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
         # Read at every save: a handler reassigned after construction is called with the arity it has now. ignite
         # instead retries without metadata after any TypeError, which would run a collective handler twice.
         if _takes_metadata(self.handler):
-            self.handler(content, request.filename, dict(request.metadata))
+            self.handler(checkpoint, filename, None if metadata is None else dict(metadata))
         else:
-            self.handler(content, request.filename)
+            self.handler(checkpoint, filename)
 
     def remove(self, filename: str) -> None:
         if isinstance(self.handler, BaseSaveHandler):
