@@ -1,10 +1,11 @@
 """ignite_zero: correct, cheap and boring checkpoints of sharded PyTorch training state for PyTorch-Ignite."""
 
-from ignite_zero.adapters import FSDPModelState, FSDPOptimizerState, ShardedState, ZeROState
+from ignite_zero.adapters import FSDPModelState, FSDPOptimizerState, PerRank, ShardedState, ZeROState
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, CollectiveTimeoutError, RankFailureError
 from ignite_zero.checkpoint import Checkpoint, ModelCheckpoint
 from ignite_zero.handlers import ConsolidateZeROHandler
 from ignite_zero.integrity import IntegrityError, verify_file
+from ignite_zero.rng import RandomState
 from ignite_zero.savers import DiskSaver, ShardedSaver
 
 __all__ = [
@@ -17,6 +18,8 @@ __all__ = [
     "FSDPOptimizerState",
     "IntegrityError",
     "ModelCheckpoint",
+    "PerRank",
+    "RandomState",
     "RankFailureError",
     "ShardedSaver",
     "ShardedState",

@@ -22,11 +22,14 @@ from ignite_zero.adapters.fsdp import (
     is_fsdp_module,
     owns_parameters,
 )
+from ignite_zero.adapters.per_rank import PerRank
 from ignite_zero.adapters.zero import ZeROState
+from ignite_zero.rng import RandomState
 
 __all__ = [
     "FSDPModelState",
     "FSDPOptimizerState",
+    "PerRank",
     "ShardedState",
     "ZeROState",
     "adapt",
@@ -39,7 +42,8 @@ def adapt(objects: Any, recipient_rank: int) -> Any:
 
     Data-parallel wrappers give way to their module; FSDP1/FSDP2 models become :class:`FSDPModelState`; an
     optimizer whose parameters belong to one of those models becomes its :class:`FSDPOptimizerState`; optimizers
-    with ``consolidate_state_dict`` (ZeRO, OSS) become :class:`ZeROState`; anything else stays as it is.
+    with ``consolidate_state_dict`` (ZeRO, OSS) become :class:`ZeROState`; a :class:`~ignite_zero.RandomState`
+    becomes a :class:`PerRank`; anything else stays as it is.
 
     Raises:
         ValueError: an adapter was made for another recipient rank, or an optimizer updates FSDP-sharded
@@ -66,6 +70,8 @@ def _adapt(path: str, obj: Any, models: list[nn.Module], recipient_rank: int) ->
         return obj
     if is_fsdp_module(obj):
         return FSDPModelState(obj, recipient_rank)
+    if isinstance(obj, RandomState):  # every rank's generators differ
+        return PerRank(obj, recipient_rank)
     if callable(getattr(obj, "consolidate_state_dict", None)):
         return ZeROState(obj, recipient_rank)
     if isinstance(obj, torch.optim.Optimizer) and (models or holds_sharded_parameters(obj)):
