@@ -12,6 +12,12 @@ or launched by torchrun (each phase is one launch; ``--phase`` picks it):
 
     torchrun --nproc-per-node 4 examples/train_zero.py --backend nccl --phase train
     torchrun --nproc-per-node 2 examples/train_zero.py --backend nccl --phase resume
+
+``--resume auto`` makes training start from the newest valid checkpoint in ``--output-dir``, if there is one:
+under ``torchrun --max-restarts 3``, a run that crashed or was preempted then resumes with no other code.
+
+    torchrun --nproc-per-node 4 --max-restarts 3 examples/train_zero.py --phase train --resume auto \
+        --output-dir /shared/ckpt
 """
 
 from __future__ import annotations
@@ -72,7 +78,15 @@ def attach_checkpoint(to_save: dict[str, Any], trainer: Any, config: dict[str, A
 
 def train(local_rank: int, config: dict[str, Any]) -> None:
     model, optimizer, trainer, loader = build(config)
-    attach_checkpoint({"model": model, "optimizer": optimizer, "trainer": trainer}, trainer, config)
+    to_save = {"model": model, "optimizer": optimizer, "trainer": trainer}
+    checkpoint = attach_checkpoint(to_save, trainer, config)
+    if config["resume"] == "auto":
+        # ignite_zero: on every rank; the newest checkpoint that verifies, and the handler's retention with it
+        found = checkpoint.load_latest(to_save)
+        if idist.get_rank() == 0:
+            print(f"[{idist.get_world_size()} ranks] " + (f"resumed from {found}" if found else "no checkpoint yet"))
+        if trainer.state.epoch >= config["epochs"]:
+            return  # already trained: Engine.run would start over
     trainer.run(loader, max_epochs=config["epochs"])
 
 
@@ -80,10 +94,11 @@ def resume(local_rank: int, config: dict[str, Any]) -> None:
     model, optimizer, trainer, loader = build(config)
     to_save = {"model": model, "optimizer": optimizer, "trainer": trainer}
     checkpoint = attach_checkpoint(to_save, trainer, config)
-    # the latest checkpoint: file names end with the iteration
-    path = max(Path(config["output_dir"]).glob("checkpoint_*.pt"), key=lambda p: int(p.stem.split("_")[-1]))
     # ignite_zero: called on every rank; each takes its own share of the optimizer state, on any world size.
-    Checkpoint.load_objects(to_load={**to_save, "checkpointer": checkpoint}, checkpoint=path)
+    found = checkpoint.load_latest(to_save)
+    if found is None:
+        raise RuntimeError(f"no valid checkpoint in {config['output_dir']} to resume from")
+    path = Path(found)
 
     saved = torch.load(path, weights_only=True)["optimizer"]
     optimizer.consolidate_state_dict(to=0)
@@ -109,14 +124,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="gloo", help="gloo (CPU) or nccl (GPUs)")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="processes for training")
-    parser.add_argument("--resume-nproc-per-node", type=int, default=3, help="processes for resuming")
+    parser.add_argument("--resume-nproc-per-node", type=int, default=3, help="processes for resuming (0: train only)")
+    parser.add_argument(
+        "--resume", choices=["auto", "never"], default="never", help="auto: train on from the newest checkpoint"
+    )
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--output-dir", default=None, help="checkpoint directory (default: a temporary one)")
     parser.add_argument("--phase", choices=["train", "resume"], help="run one phase in an existing launch (torchrun)")
     parser.add_argument("--start-method", default="spawn", help="how idist.Parallel starts processes")
     args = parser.parse_args(argv)
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="ignite_zero-example-")
-    config = {"epochs": args.epochs, "output_dir": output_dir}
+    config = {"epochs": args.epochs, "output_dir": output_dir, "resume": args.resume}
 
     if args.phase is not None:  # processes started by torchrun
         with idist.Parallel(backend=args.backend) as parallel:
@@ -124,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     with idist.Parallel(backend=args.backend, nproc_per_node=args.nproc_per_node, start_method=args.start_method) as p:
         p.run(train, config)
+    if args.resume_nproc_per_node == 0:
+        return
     with idist.Parallel(
         backend=args.backend, nproc_per_node=args.resume_nproc_per_node, start_method=args.start_method
     ) as parallel:

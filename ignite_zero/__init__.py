@@ -5,6 +5,7 @@ from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, CollectiveTimeoutError, 
 from ignite_zero.checkpoint import Checkpoint, ModelCheckpoint
 from ignite_zero.handlers import ConsolidateZeROHandler
 from ignite_zero.integrity import IntegrityError, verify_file
+from ignite_zero.latest import find_latest
 from ignite_zero.rng import RandomState
 from ignite_zero.savers import DiskSaver, ShardedSaver
 
@@ -25,6 +26,7 @@ __all__ = [
     "ShardedState",
     "ZeROState",
     "__version__",
+    "find_latest",
     "verify_file",
 ]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
+import re
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ from ignite_zero._compat import CheckpointEvents
 from ignite_zero.adapters import ShardedState, adapt
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, RankFailureError, busy, peek, post, rank_and_world, settle
 from ignite_zero.background import BackgroundSaves
+from ignite_zero.latest import find_latest
 from ignite_zero.loading import restore
 from ignite_zero.savers import check_filename
 from ignite_zero.storage import Saver, SaveRequest, as_saver, saver_for
@@ -388,6 +390,71 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             with_score_name=self.score_name is not None,
             with_global_step=global_step is not None,
         )
+
+    def load_latest(self, to_load: Mapping, **kwargs: Any) -> str | None:
+        """Load ``to_load`` from the newest valid checkpoint of this handler (:func:`~ignite_zero.find_latest` in its
+        directory, with its ``filename_prefix``), and take up its retention: the checkpoints this handler would have
+        kept, so that ``n_saved`` and ``last_checkpoint`` carry on from there. Call it on every rank.
+
+        Args:
+            to_load: objects to restore, as for :meth:`load_objects`.
+            kwargs: further arguments of :meth:`load_objects`.
+
+        Returns:
+            The path it loaded, ``None`` (and nothing loaded) when there is no valid checkpoint.
+
+        Examples:
+            .. code-block:: python
+
+                checkpoint = Checkpoint(to_save, DiskSaver("/shared/ckpt", require_empty=False), n_saved=2)
+                checkpoint.load_latest(to_save)  # a fresh run, or a restarted one: the same code
+                trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpoint)
+
+        .. versionadded:: 0.2.0
+        """
+        directory = self.saver.directory
+        if directory is None:
+            raise ValueError(
+                f"load_latest looks for checkpoints in the directory of the save_handler, and this "
+                f"{type(self.save_handler).__name__} has none; use a DiskSaver or ShardedSaver, or find_latest."
+            )
+        self.wait()
+        found = find_latest(directory, filename_prefix=self.filename_prefix, sync_timeout=self.sync_timeout)
+        if found is None:
+            return None
+        kwargs.setdefault("sync_timeout", self.sync_timeout)
+        type(self).load_objects(to_load=to_load, checkpoint=found, **kwargs)
+        self._retain(self._retention_until(Path(found).name))
+        return found
+
+    def _retention_until(self, last: str) -> list[tuple[int | float, str]]:
+        """The ``(priority, filename)`` pairs this handler keeps once ``last`` is its newest checkpoint: its own
+        names in its directory, read back with its file name pattern, up to ``last``, at most ``n_saved``."""
+        pairs = [(priority, name) for name in self.saver.list() if (priority := self._priority_in(name)) is not None]
+        ceiling = self._priority_in(last)
+        kept = sorted(pair for pair in pairs if ceiling is None or pair[0] <= ceiling)
+        kept = [pair for pair in kept if pair[1] != last] + [(ceiling if ceiling is not None else 0, last)]
+        return kept if self.n_saved is None else kept[-self.n_saved :]
+
+    def _priority_in(self, filename: str) -> int | float | None:
+        """The priority that this handler's file name pattern put in ``filename``: its score, else its global step."""
+        fields = {
+            "filename_prefix": re.escape(self.filename_prefix),
+            "ext": re.escape(self.ext),
+            "name": r"[^/]+?",
+            "score_name": re.escape(self.score_name or ""),
+            "score": r"(?P<score>-?[0-9.]+(?:e[-+]?[0-9]+)?)",
+            "global_step": r"(?P<global_step>[0-9]+)",
+        }
+        with_step = self.score_function is None or self.global_step_transform is not None
+        pattern = re.escape(self._filename_pattern(0 if with_step else None)).replace(r"\{", "{").replace(r"\}", "}")
+        match = re.fullmatch(pattern.format(**fields), filename)
+        if match is None:
+            return None
+        if self.score_function is not None and match.groupdict().get("score") is not None:
+            return float(match["score"])
+        step = match.groupdict().get("global_step")
+        return None if step is None else int(step)
 
     def reload_objects(self, to_load: Mapping, load_kwargs: dict | None = None, **filename_components: Any) -> None:
         """Load ``to_load`` from one of this handler's files, named by ``filename_components`` (``name``,

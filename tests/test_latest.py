@@ -1,0 +1,126 @@
+"""find_latest and load_latest: the newest checkpoint that is complete and verifies, the same on every rank, and a
+handler that carries on its retention from it."""
+
+import logging
+import os
+
+import pytest
+import torch
+from ignite.engine import Engine, Events
+from launcher import run_ranks
+from training import assert_state_equal, tiny_model, train_step, zero_adam
+
+from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, find_latest
+
+
+def _trainer(model, optimizer, rank):
+    return Engine(lambda engine, _: train_step(model, optimizer, rank, engine.state.iteration))
+
+
+def _save_three(rank, world_size, dirname, sharded):
+    model = tiny_model()
+    optimizer = zero_adam(model)
+    trainer = _trainer(model, optimizer, rank)
+    saver = ShardedSaver(dirname) if sharded else DiskSaver(dirname)
+    trainer.add_event_handler(
+        Events.EPOCH_COMPLETED, Checkpoint({"model": model, "optimizer": optimizer}, saver, n_saved=None)
+    )
+    trainer.run(range(2), max_epochs=3)
+
+
+def _find(rank, world_size, dirname):
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("ignite_zero.latest").addHandler(handler)
+    return find_latest(dirname), records
+
+
+@pytest.mark.distributed
+def test_the_newest_corrupt_and_the_next_truncated_every_rank_finds_the_third(tmp_path):
+    run_ranks(_save_three, 2, tmp_path, False)
+    newest, second = tmp_path / "checkpoint_6.pt", tmp_path / "checkpoint_4.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    os.truncate(second, second.stat().st_size - 100)
+    results = run_ranks(_find, 2, tmp_path)
+    assert [found for found, _ in results] == [str(tmp_path / "checkpoint_2.pt")] * 2
+    checker_log = results[0][1]  # rank 0 checked, for its host
+    assert any(f"Skipping checkpoint {newest}" in line and "corrupt" in line for line in checker_log)
+    assert any(f"Skipping checkpoint {second}" in line for line in checker_log)
+    assert results[1][1] == []  # the other rank of the host read nothing
+
+
+@pytest.mark.distributed
+def test_an_uncommitted_sharded_checkpoint_is_skipped(tmp_path):
+    run_ranks(_save_three, 2, tmp_path, True)
+    (tmp_path / "checkpoint_6.dcp" / ".metadata").unlink()  # as if the save had stopped before DCP's last write
+    (tmp_path / ".checkpoint_8.dcp.ignite_zero-partial.tmp").mkdir()  # an interrupted save's directory
+    assert [found for found, _ in run_ranks(_find, 2, tmp_path)] == [str(tmp_path / "checkpoint_4.dcp")] * 2
+
+
+def test_nothing_valid_is_none(tmp_path):
+    assert find_latest(tmp_path) is None
+    assert find_latest(tmp_path / "absent") is None
+    (tmp_path / "checkpoint_3.pt").write_bytes(b"not a checkpoint")
+    assert find_latest(tmp_path) is None
+
+
+def test_names_without_a_number_go_by_modification_time_and_prefixes_filter(tmp_path):
+    state = {"model": tiny_model().state_dict()}
+    saver = DiskSaver(tmp_path)
+    for name in ("best_model_acc=0.9000.pt", "best_model_acc=0.5000.pt", "run_model_7.pt"):
+        saver(state, name)
+    os.utime(tmp_path / "best_model_acc=0.9000.pt", (2e9, 2e9))
+    assert find_latest(tmp_path, filename_prefix="best") == str(tmp_path / "best_model_acc=0.9000.pt")
+    assert find_latest(tmp_path, filename_prefix="run") == str(tmp_path / "run_model_7.pt")
+    assert find_latest(tmp_path) == str(tmp_path / "best_model_acc=0.9000.pt")  # names differ: by time
+
+
+def _resume(rank, world_size, dirname):
+    model = tiny_model()
+    optimizer = zero_adam(model)
+    trainer = _trainer(model, optimizer, rank)
+    to_save = {"model": model, "optimizer": optimizer, "trainer": trainer}
+    checkpoint = Checkpoint(to_save, DiskSaver(dirname, require_empty=False), n_saved=2)
+    first = checkpoint.load_latest(to_save)  # a fresh run: nothing yet
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpoint)
+    trainer.run(range(2), max_epochs=3)
+    expected = model.state_dict()
+
+    model = tiny_model(seed=5)
+    optimizer = zero_adam(model)
+    trainer = _trainer(model, optimizer, rank)
+    to_save = {"model": model, "optimizer": optimizer, "trainer": trainer}
+    resumed = Checkpoint(to_save, DiskSaver(dirname, require_empty=False), n_saved=2)
+    found = resumed.load_latest(to_save)
+    assert_state_equal(model.state_dict(), expected)
+    retained = (str(resumed.last_checkpoint), resumed.state_dict()["_saved"], trainer.state.iteration)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, resumed)
+    trainer.run(range(2), max_epochs=4)
+    return first, found, retained, sorted(os.listdir(dirname))
+
+
+@pytest.mark.distributed
+def test_load_latest_restores_the_objects_and_carries_on_the_retention(tmp_path):
+    for first, found, retained, listing in run_ranks(_resume, 2, tmp_path):
+        assert first is None and found == str(tmp_path / "checkpoint_6.pt")
+        assert retained == (found, [(4, "checkpoint_4.pt"), (6, "checkpoint_6.pt")], 6)
+        assert listing == ["checkpoint_6.pt", "checkpoint_8.pt"]  # n_saved went on: checkpoint_4.pt removed
+
+
+def test_load_latest_reads_scores_back_from_the_names(tmp_path):
+    model = tiny_model()
+    engine = Engine(lambda e, b: None)
+    scores = iter([0.5, 0.9, 0.7])
+    kwargs = {"score_function": lambda _: next(scores), "score_name": "acc", "n_saved": 2}
+    handler = Checkpoint({"model": model}, DiskSaver(tmp_path), **kwargs)
+    for step in (1, 2, 3):
+        engine.state.iteration = step
+        handler(engine)
+    os.utime(tmp_path / "model_acc=0.9000.pt", (2e9, 2e9))  # the newest by time
+    resumed = Checkpoint({"model": tiny_model(seed=1)}, DiskSaver(tmp_path, require_empty=False), **kwargs)
+    assert resumed.load_latest({"model": tiny_model()}) == str(tmp_path / "model_acc=0.9000.pt")
+    assert resumed.state_dict()["_saved"] == [(0.7, "model_acc=0.7000.pt"), (0.9, "model_acc=0.9000.pt")]
+    assert torch.load(tmp_path / "model_acc=0.9000.pt", weights_only=True).keys() == model.state_dict().keys()
