@@ -3,7 +3,7 @@
 from ignite_zero.adapters import FSDPModelState, FSDPOptimizerState, PerRank, ShardedState, ZeROState
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, CollectiveTimeoutError, RankFailureError
 from ignite_zero.checkpoint import Checkpoint, ModelCheckpoint
-from ignite_zero.handlers import ConsolidateZeROHandler
+from ignite_zero.handlers import ConsolidateZeROHandler, SaveOnSignal
 from ignite_zero.integrity import IntegrityError, verify_file
 from ignite_zero.latest import find_latest
 from ignite_zero.rng import RandomState
@@ -22,6 +22,7 @@ __all__ = [
     "PerRank",
     "RandomState",
     "RankFailureError",
+    "SaveOnSignal",
     "ShardedSaver",
     "ShardedState",
     "ZeROState",

@@ -37,6 +37,7 @@ __all__ = [
     "busy",
     "peek",
     "post",
+    "propose",
     "rank_and_world",
     "settle",
 ]
@@ -179,6 +180,19 @@ def peek(key: str) -> Any:
         return pickle.loads(store.get(name)) if store.check([name]) else None
     except dist.DistError:  # the store's host is gone: nothing to learn from it
         return None
+
+
+def propose(key: str, value: Any) -> Any:
+    """Post ``value`` under ``key`` unless a value is there already; return the value there now, the first one
+    proposed on any rank. :func:`peek` reads it too. Never waits for a rank.
+
+    One atomic ``compare_set``, so ranks proposing at the same moment all get the same winner. ``value`` itself
+    without a process group or with one rank.
+    """
+    if rank_and_world()[1] == 1:
+        return value
+    name = f"{_PREFIX}posted/{key}"
+    return pickle.loads(_channel().store.compare_set(name, "", pickle.dumps(value)))  # type: ignore[arg-type]
 
 
 def settle(
