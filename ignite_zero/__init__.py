@@ -7,7 +7,7 @@ from ignite_zero.handlers import ConsolidateZeROHandler, SaveOnSignal
 from ignite_zero.integrity import IntegrityError, verify_file
 from ignite_zero.latest import find_latest
 from ignite_zero.rng import RandomState
-from ignite_zero.savers import DiskSaver, ShardedSaver
+from ignite_zero.storage import DiskSaver, ShardedSaver
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",

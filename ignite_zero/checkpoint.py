@@ -33,8 +33,8 @@ from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, RankFailureError, busy, 
 from ignite_zero.background import BackgroundSaves
 from ignite_zero.latest import find_latest
 from ignite_zero.loading import restore
-from ignite_zero.savers import check_filename
 from ignite_zero.storage import Saver, SaveRequest, as_saver, saver_for
+from ignite_zero.storage.directory import check_filename
 
 __all__ = ["Checkpoint", "ModelCheckpoint"]
 

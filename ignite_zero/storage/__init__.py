@@ -1,4 +1,16 @@
-"""Storage: the saver protocol (:class:`Saver`) between the policy and where checkpoints live, and its savers."""
+"""Storage: the saver protocol (:class:`Saver`) between the policy and where checkpoints live, its savers, and the
+readers of each checkpoint format (:mod:`ignite_zero.storage.readers`).
+
+=================  ===================================================================================
+``base``           the protocol: :class:`Saver`, :class:`SaveRequest`
+``consolidated``   savers that gather the full state on the recipient, then write it in one piece
+``directory``      what the local savers share: the directory, the writing rank, names, retention
+``files``          :class:`DiskSaver`: one durable file per checkpoint
+``sharded``        :class:`ShardedSaver`: a DCP directory that every rank writes its part of
+``handler``        :class:`HandlerSaver`: any other ignite handler, called as ignite calls it
+``readers``        one reader per checkpoint format, for loading
+=================  ===================================================================================
+"""
 
 from __future__ import annotations
 
@@ -7,9 +19,20 @@ from typing import Any
 
 from ignite_zero.storage.base import Saver, SaveRequest
 from ignite_zero.storage.consolidated import ConsolidatingSaver
+from ignite_zero.storage.files import DiskSaver
 from ignite_zero.storage.handler import HandlerSaver
+from ignite_zero.storage.sharded import ShardedSaver
 
-__all__ = ["ConsolidatingSaver", "HandlerSaver", "SaveRequest", "Saver", "as_saver", "saver_for"]
+__all__ = [
+    "ConsolidatingSaver",
+    "DiskSaver",
+    "HandlerSaver",
+    "SaveRequest",
+    "Saver",
+    "ShardedSaver",
+    "as_saver",
+    "saver_for",
+]
 
 
 def as_saver(handler: Any) -> Saver:
@@ -24,6 +47,4 @@ def saver_for(place: str | Path, **options: Any) -> Saver:
         place: the directory.
         options: the saver's arguments (``create_dir``, ``require_empty``, ``save_on_rank``, ``torch.save``'s).
     """
-    from ignite_zero.savers import DiskSaver
-
     return DiskSaver(place, **options)

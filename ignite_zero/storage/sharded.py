@@ -1,265 +1,37 @@
-"""Storage: where and how a checkpoint becomes durable on disk.
-
-:class:`DiskSaver` is the drop-in for ignite's saver of the same name: one rank writes one file, to a temporary
-name in the target directory, flushes it to disk, renames it, then flushes the directory, so that a crash at any
-point leaves either the previous file or the complete new one. :class:`ShardedSaver` writes a directory that
-every rank writes its part of, through ``torch.distributed.checkpoint``, with the same guarantees. Old
-checkpoints are removed by the caller (:class:`~ignite_zero.Checkpoint`) only once the new one is durable.
-"""
+"""Sharded checkpoints: :class:`ShardedSaver`, every rank writing its own part of a checkpoint directory through
+``torch.distributed.checkpoint``, checksummed while written (:mod:`ignite_zero.sharded`), sealed by one rank and
+renamed into place."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import inspect
 import logging
 import os
-import re
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
-from ignite_zero import _compat, integrity, sharded, tree
+from ignite_zero import sharded, tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
 from ignite_zero.groups import cpu_group
-from ignite_zero.storage.base import Saver, SaveRequest
-from ignite_zero.storage.consolidated import ConsolidatingSaver
+from ignite_zero.storage.base import SaveRequest
+from ignite_zero.storage.directory import DirectorySaver, fsync_directory, package_version, serialized_size
 
-__all__ = ["DiskSaver", "ShardedSaver", "check_filename", "serialized_size"]
+__all__ = ["ShardedSaver"]
 
 logger = logging.getLogger(__name__)
 
-# Temporary files and directories are hidden and never end in ".pt" or ".dcp": nothing takes them for checkpoints.
-_TEMPORARY = re.compile(r"^\..+\.ignite_zero-[0-9a-z]+\.tmp$")
 
-
-def check_filename(filename: str) -> str:
-    """Reject a checkpoint file name that would be written outside its directory.
-
-    Raises:
-        ValueError: for an empty name, an absolute path, a path separator, ``.`` or ``..``.
-    """
-    separators = {os.sep, "/"} | ({os.altsep} if os.altsep else set())
-    if not filename or filename in (".", "..") or any(s in filename for s in separators) or "\0" in filename:
-        raise ValueError(
-            f"Checkpoint file name {filename!r} is not a plain file name: it would be written outside the target "
-            "directory. Remove path separators and '..' from `filename_prefix`, `score_name` and `filename_pattern`."
-        )
-    return filename
-
-
-class _DirectorySaver(Saver):
-    """What the file and the directory savers share: the target directory, the one rank that writes (or, for a
-    sharded save, seals and removes), the cleanup after interrupted saves, and retention."""
-
-    def __init__(self, dirname: str | Path, create_dir: bool, require_empty: bool, save_on_rank: int | None) -> None:
-        if save_on_rank is not None and (not isinstance(save_on_rank, int) or save_on_rank < 0):
-            raise ValueError(f"Argument `save_on_rank` should be a non-negative integer, got {save_on_rank!r}")
-        self.dirname = Path(dirname).expanduser()
-        self._create_dir = create_dir
-        self._require_empty = require_empty
-        self._rank_given = save_on_rank is not None
-        self.save_on_rank = 0 if save_on_rank is None else save_on_rank
-        self._prepared = False
-        if self._rank_given:
-            self._prepare()
-
-    @property
-    def requested_rank(self) -> int | None:
-        return self.save_on_rank if self._rank_given else None
-
-    def bind(self, recipient: int) -> None:
-        """Make ``recipient`` the writing rank; called by :class:`~ignite_zero.Checkpoint` when none was given."""
-        if self._rank_given and recipient != self.save_on_rank:
-            raise ValueError(f"This {type(self).__name__} writes on rank {self.save_on_rank}, not on rank {recipient}")
-        self.save_on_rank = recipient
-        self._prepare()
-
-    @property
-    def identity(self) -> str:
-        return f"{type(self).__qualname__}:{self.dirname}"
-
-    @property
-    def directory(self) -> Path:
-        return self.dirname
-
-    def list(self) -> list[str]:
-        if not self.dirname.is_dir():
-            return []
-        return sorted(name for name in os.listdir(self.dirname) if name.endswith(f".{self.ext}"))
-
-    @property
-    def is_writer(self) -> bool:
-        """Whether this process writes the files."""
-        return rank_and_world()[0] == self.save_on_rank
-
-    def _prepare(self) -> None:
-        if self._prepared or not self.is_writer:
-            return
-        if self._create_dir:
-            self.dirname.mkdir(parents=True, exist_ok=True)
-        if not self.dirname.is_dir():
-            raise ValueError(f"Directory path '{self.dirname}' is not found; create it or pass `create_dir=True`")
-        if self._require_empty:
-            matched = sorted(name for name in os.listdir(self.dirname) if name.endswith(f".{self.ext}"))
-            if matched:
-                raise ValueError(
-                    f"Files {matched} with extension '.{self.ext}' are already present in the directory "
-                    f"{self.dirname}. If you want to use this directory anyway, pass `require_empty=False`."
-                )
-        self._prepared = True
-
-    def path(self, filename: str) -> Path:
-        """Where the checkpoint ``filename`` lives."""
-        return self.dirname / check_filename(filename)
-
-    def _remove_temporaries(self) -> None:
-        # Left by a process killed while writing; the live writer of this directory is this rank alone.
-        for name in os.listdir(self.dirname):
-            if _TEMPORARY.match(name):
-                _remove_path(self.dirname / name)
-                logger.warning("Removed %s, left by an interrupted save", self.dirname / name)
-
-    def remove(self, filename: str) -> None:
-        if not self.is_writer:
-            return
-        path = self.path(filename)
-        if not path.exists():
-            logger.warning("Checkpoint %s was already removed", path)
-            return
-        _remove_path(path)
-        _fsync_directory(path.parent)
-
-
-class DiskSaver(_DirectorySaver, ConsolidatingSaver):
-    """Durable, rank-aware disk saver: the drop-in for :class:`ignite.handlers.DiskSaver`.
-
-    Args:
-        dirname: directory in which checkpoints are written.
-        atomic: if True (default), write to a temporary file in ``dirname`` and rename it, so that a crash
-            never leaves a partial file under a checkpoint's name. If False, write in place (for file
-            systems without rename); the integrity trailer still exposes a partial file.
-        create_dir: if True, create ``dirname`` when it does not exist.
-        require_empty: if True, raise when ``dirname`` already holds ``.pt`` files.
-        save_on_rank: the only rank that writes. ``None`` (default) lets
-            :class:`~ignite_zero.Checkpoint` pick its ``consolidate_recipient_rank``; on its own, rank 0.
-        kwargs: keyword arguments of :func:`torch.save`, e.g. ``pickle_protocol``. With
-            ``_use_new_zipfile_serialization=False`` the file is in torch's legacy format: written as durably, but
-            without integrity trailer (it has no zip comment to carry one), and loaded without ``mmap``.
-
-    Differences from ignite's ``DiskSaver``, deliberate: the file and its directory are flushed to disk
-    before the rename; new files get mode ``0o666 & ~umask`` (ignite adds group and world read); file names
-    that would escape ``dirname`` are rejected; every file carries an integrity trailer
-    (:mod:`ignite_zero.integrity`); removing a file that is already gone logs a warning instead of raising.
-
-    Examples:
-        .. code-block:: python
-
-            from ignite_zero import Checkpoint, DiskSaver
-
-            saver = DiskSaver("/tmp/ckpt", require_empty=False)
-            handler = Checkpoint(to_save, saver, n_saved=2, consolidate_recipient_rank=1)
-
-    .. versionadded:: 0.1.0
-    """
-
-    def __init__(
-        self,
-        dirname: str | Path,
-        atomic: bool = True,
-        create_dir: bool = True,
-        require_empty: bool = True,
-        save_on_rank: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        try:
-            inspect.signature(torch.save).bind(None, None, **kwargs)
-        except TypeError as error:
-            accepted = [name for name in inspect.signature(torch.save).parameters if name not in ("obj", "f")]
-            raise TypeError(
-                f"save() {error}: DiskSaver passes its keyword arguments to torch.save, which takes {accepted}"
-            ) from None
-        self._atomic = atomic
-        self.kwargs = kwargs
-        super().__init__(dirname, create_dir, require_empty, save_on_rank)
-
-    def writes_here(self, request: SaveRequest) -> bool:
-        return self.is_writer
-
-    def write(self, content: Any, request: SaveRequest) -> None:
-        self(content, request.filename, request.metadata)
-
-    def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
-        if not self.is_writer:
-            return
-        self._prepare()
-        path = self.path(filename)
-        self._remove_temporaries()
-        self._check_room(checkpoint, path)
-        started = time.perf_counter()
-        if self._atomic:
-            self._write_atomically(checkpoint, path)
-        else:
-            self._write_in_place(checkpoint, path)
-        logger.info("Saved %s (%.1f MB) in %.2f s", path, path.stat().st_size / 1e6, time.perf_counter() - started)
-
-    def _write_atomically(self, checkpoint: Mapping, path: Path) -> None:
-        temporary = path.with_name(f".{path.name}.ignite_zero-{uuid.uuid4().hex[:12]}.tmp")
-        try:
-            # os.open applies the umask to 0o666, as any newly created file gets.
-            with os.fdopen(os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), "w+b") as f:
-                self._dump(checkpoint, f)
-            os.replace(temporary, path)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
-        _fsync_directory(path.parent)
-
-    def _write_in_place(self, checkpoint: Mapping, path: Path) -> None:
-        # A new file rather than the old one truncated: a process that loaded the old one with mmap keeps it.
-        path.unlink(missing_ok=True)
-        with os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), "w+b") as f:
-            self._dump(checkpoint, f)
-        _fsync_directory(path.parent)
-
-    def _dump(self, checkpoint: Mapping, f: IO[bytes]) -> None:
-        stream = _ErrorKeepingStream(f)
-        with _compat.serialization_crc32():
-            try:
-                torch.save(checkpoint, cast(IO[bytes], stream), **self.kwargs)
-            except Exception as error:
-                if stream.error is not None:  # the real cause, e.g. ENOSPC or EIO, instead of torch's summary
-                    raise stream.error from error
-                raise
-        if self.kwargs.get("_use_new_zipfile_serialization", True):  # the legacy format is no zip: no trailer
-            integrity.seal(f, world_size=rank_and_world()[1], torch=torch.__version__, ignite_zero=_package_version())
-        f.flush()
-        os.fsync(f.fileno())
-
-    def _check_room(self, checkpoint: Mapping, path: Path) -> None:
-        """Fail before writing, clearly, when the new file cannot fit beside the ones it will replace."""
-        needed = serialized_size(checkpoint)
-        free = shutil.disk_usage(self.dirname).free
-        if needed > free:
-            raise OSError(
-                errno.ENOSPC,
-                f"Not enough disk space for checkpoint {path}: it needs about {needed / 1e6:.1f} MB, "
-                f"{free / 1e6:.1f} MB are free (older checkpoints are removed only after the new one is written). "
-                "Free some space, write elsewhere, or lower `n_saved`.",
-            )
-
-
-class ShardedSaver(_DirectorySaver):
+class ShardedSaver(DirectorySaver):
     """Sharded saver: every rank writes its own part of a checkpoint directory, in parallel, through
     ``torch.distributed.checkpoint`` (DCP).
 
@@ -505,11 +277,11 @@ class ShardedSaver(_DirectorySaver):
         if not self.is_writer:
             return
         listed = {name: record for rank_files in files for name, record in rank_files.items()}
-        sharded.seal(partial, listed, world_size=len(files), torch=torch.__version__, ignite_zero=_package_version())
-        _fsync_directory(partial)
+        sharded.seal(partial, listed, world_size=len(files), torch=torch.__version__, ignite_zero=package_version())
+        fsync_directory(partial)
         final = self.path(filename)
         _install_directory(partial, final)
-        _fsync_directory(final.parent)
+        fsync_directory(final.parent)
         size = sum(size for size, _ in listed.values())
         logger.info(
             "Saved %s (%.1f MB, %d files) in %.2f s", final, size / 1e6, len(listed), time.perf_counter() - started
@@ -557,76 +329,3 @@ def _exchange(first: Path, second: Path) -> bool:
     if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EXDEV):
         return False
     raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(second))
-
-
-class _ErrorKeepingStream:
-    """Passes writes to a file and keeps the first error they raise.
-
-    torch's zip writer turns an exception in ``write`` into "unexpected pos ..."; the kept error lets the
-    saver report what really went wrong (no space left, an I/O error).
-    """
-
-    def __init__(self, f: IO[bytes]) -> None:
-        self._f = f
-        self.error: BaseException | None = None
-
-    def write(self, data: bytes) -> int:
-        try:
-            return self._f.write(data)
-        except BaseException as error:
-            self.error = self.error or error
-            raise
-
-    def flush(self) -> None:
-        self._f.flush()
-
-
-def serialized_size(obj: Any) -> int:
-    """Upper estimate of the bytes ``torch.save`` writes for ``obj``: each distinct storage once, plus records."""
-    storages: dict[int, int] = {}
-    count = 0
-
-    def visit(value: Any) -> None:
-        nonlocal count
-        if isinstance(value, DTensor):
-            value = value.to_local()
-        if callable(getattr(value, "local_shards", None)):  # a ShardedTensor: this rank's shards are its part
-            for shard in value.local_shards():
-                visit(shard.tensor)
-            return
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            storages[storage.data_ptr() if storage.nbytes() else id(value)] = storage.nbytes()
-        elif isinstance(value, Mapping):
-            for item in value.values():
-                visit(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                visit(item)
-        count += 1
-
-    visit(obj)
-    # per record: zip headers and alignment (about 200 bytes); per object: its pickled description
-    return sum(storages.values()) + 256 * len(storages) + 128 * count + (1 << 16)
-
-
-def _remove_path(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def _fsync_directory(dirname: Path) -> None:
-    # Makes the rename (or unlink) itself durable: without it a power loss can revert the directory entry.
-    fd = os.open(dirname, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _package_version() -> str:
-    from ignite_zero import __version__
-
-    return __version__
