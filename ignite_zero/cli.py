@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ignite_zero import integrity, sharded, tree
 from ignite_zero.adapters.zero import as_saved_optimizer_state
+from ignite_zero.export import DTYPES, export
 from ignite_zero.storage.files import DiskSaver
 from ignite_zero.storage.readers import FileReader
 
@@ -142,7 +143,8 @@ def _consolidate(source: Path, target: Path, out: TextIO) -> int:
     names = list(metadata.state_dict_metadata)
     sizes = {name: _nbytes(metadata.state_dict_metadata[name]) for name in names}
     total = sum(sizes.values())
-    progress = _Progress(total)
+    progress = _Progress("consolidating")
+    done = 0
     flat: dict[str, Any] = {}
     for batch in _batches(names, sizes):  # the whole state is held at the end; batches only show progress
         wanted = set(batch)
@@ -153,7 +155,8 @@ def _consolidate(source: Path, target: Path, out: TextIO) -> int:
         part = sharded.template(metadata, keep)
         sharded.load(part, source)
         flat.update(part)
-        progress.advance(sum(sizes[name] for name in batch))
+        done += sum(sizes[name] for name in batch)
+        progress.update(done, total)
     state = {key: as_saved_optimizer_state(value) for key, value in sharded.nest(metadata, flat).items()}
     DiskSaver(target.parent, require_empty=False, save_on_rank=0)(state, target.name)
     progress.close()
@@ -183,20 +186,19 @@ def _batches(names: list[str], sizes: Mapping[str, int]) -> Iterator[list[str]]:
 class _Progress:
     """A one-line progress bar on a terminal; nothing elsewhere, or for small conversions."""
 
-    def __init__(self, total: int) -> None:
-        self._total, self._done = total, 0
+    def __init__(self, what: str) -> None:
+        self._what = what
         self._out = sys.stderr
-        self._shown = sys.stderr.isatty() and total >= 2 * _BATCH_BYTES
+        self._shown: bool | None = None  # decided at the first update, once the total is known
 
-    def advance(self, nbytes: int) -> None:
-        self._done += nbytes
+    def update(self, done: int, total: int) -> None:
+        if self._shown is None:
+            self._shown = self._out.isatty() and total >= 2 * _BATCH_BYTES
         if self._shown:
-            filled = int(30 * self._done / max(self._total, 1))
-            percent = 100 * self._done / max(self._total, 1)
+            filled = int(30 * done / max(total, 1))
             bar = "#" * filled + "." * (30 - filled)
-            print(
-                f"\rconsolidating [{bar}] {percent:3.0f}% of {_size(self._total)}", end="", file=self._out, flush=True
-            )
+            line = f"\r{self._what} [{bar}] {100 * done / max(total, 1):3.0f}% of {_size(total)}"
+            print(line, end="", file=self._out, flush=True)
 
     def close(self) -> None:
         if self._shown:
@@ -205,7 +207,7 @@ class _Progress:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ignite-zero", description="Inspect, verify and consolidate ignite_zero checkpoints."
+        prog="ignite-zero", description="Inspect, verify, consolidate and export ignite_zero checkpoints."
     )
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser(
@@ -232,13 +234,60 @@ def _parser() -> argparse.ArgumentParser:
     )
     consolidate.add_argument("source", type=Path, help="sharded checkpoint directory (.dcp)")
     consolidate.add_argument("target", type=Path, help="checkpoint file to write; must not exist")
+    export = commands.add_parser(
+        "export",
+        help="write a model's weights as Hugging Face-style safetensors, tensor by tensor",
+        description="Write the weights of one object of a checkpoint file or sharded directory as safetensors: "
+        "model.safetensors, or shards and model.safetensors.index.json. Memory holds one tensor at a time; never "
+        "overwrites.",
+    )
+    export.add_argument("source", type=Path, help="checkpoint file, or sharded checkpoint directory")
+    export.add_argument("target", type=Path, help="directory to write; must not exist")
+    export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
+    export.add_argument("--only", default="model", help="the object to export (default: model)")
+    export.add_argument("--dtype", choices=sorted(DTYPES), help="convert floating-point weights")
+    export.add_argument(
+        "--max-shard-size", type=_byte_size, default="5GB", help="largest file, e.g. 5GB, 500MB (default: 5GB)"
+    )
     return parser
+
+
+def _byte_size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    for unit, factor in units.items():
+        if text.upper().endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(text[: -len(unit)]) * factor)
+    if text.isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size: write it as 5GB, 500MB or a number of bytes")
+
+
+def _export(args: argparse.Namespace, out: TextIO) -> int:
+    if args.target.exists():
+        print(f"ignite-zero: {args.target} exists; export never overwrites: choose another name", file=sys.stderr)
+        return 1
+    started = time.perf_counter()
+    progress = _Progress("exporting")
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    files = export(
+        args.source,
+        args.target,
+        only=args.only,
+        dtype=dtype,
+        max_shard_size=args.max_shard_size,
+        progress=progress.update,
+    )
+    progress.close()
+    total = sum(path.stat().st_size for path in files)
+    elapsed = time.perf_counter() - started
+    print(f"{args.target}: {len(files)} files, {_size(total)} from {args.source} in {elapsed:.1f} s", file=out)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     args = _parser().parse_args(argv)
-    path = args.source if args.command == "consolidate" else args.path
+    path = args.source if args.command in ("consolidate", "export") else args.path
     if not path.exists():
         print(f"ignite-zero: {path} does not exist", file=sys.stderr)
         return 1
@@ -247,7 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _inspect_directory(path, sys.stdout) if path.is_dir() else _inspect_file(path, sys.stdout)
         if args.command == "verify":
             return _verify(path, sys.stdout)
+        if args.command == "export":
+            return _export(args, sys.stdout)
         return _consolidate(args.source, args.target, sys.stdout)
-    except integrity.IntegrityError as error:
-        print(f"ignite-zero: {error}", file=sys.stderr)
+    except (integrity.IntegrityError, KeyError, TypeError, ValueError) as error:
+        print(f"ignite-zero: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
         return 1
