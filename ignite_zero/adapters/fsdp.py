@@ -417,6 +417,38 @@ def full_optimizer_state_to_plain(
     return _local_optimizer_state(_param_layouts(module), optimizer, full_state, reuse=False)
 
 
+def plain_optimizer_state_to_full(module: nn.Module, plain_state: Mapping[str, Any]) -> dict[str, Any]:
+    """A full optimizer state keyed by parameter names, from the index-keyed state of a plain optimizer over the
+    unsharded model (as ``torch.save(optimizer.state_dict())`` writes it): the inverse of
+    :func:`full_optimizer_state_to_plain`.
+
+    Indices are positions in the plain model's ``parameters()``, which FSDP2 and FSDP1 with ``use_orig_params=True``
+    keep in the same order under the same names.
+
+    Raises:
+        ValueError: ``module`` is FSDP1 with flattened parameters, whose original order is not its own.
+    """
+    named = list(module.named_parameters())
+    if any(isinstance(parameter, FlatParameter) for _, parameter in named):
+        raise ValueError(
+            "A plain optimizer's state lists parameters by position, and this FSDP1 model flattens them "
+            "(use_orig_params=False): load it into FSDP2 or FSDP1 with use_orig_params=True, or convert it by name"
+        )
+    names = [clean_name(name) for name, _ in named]
+    positions = [index for group in plain_state["param_groups"] for index in group["params"]]
+    if sorted(positions) != list(range(len(names))):
+        raise ValueError(
+            f"The saved optimizer state covers {len(positions)} parameters, this model has {len(names)}: save and "
+            "load the same model"
+        )
+    return {
+        "state": {names[index]: value for index, value in plain_state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[i] for i in group["params"]]} for group in plain_state["param_groups"]
+        ],
+    }
+
+
 # --------------------------------------------------------------------------------------------------
 # Optimizer state: element-wise state follows its parameter's slots; anything else is the same on every rank
 

@@ -227,8 +227,9 @@ class ZeROState(ShardedState):
         return {"state": {str(index): value for index, value in snapshot["state"].items()}, **_without_state(snapshot)}
 
     def wants(self, path: tuple[Any, ...]) -> bool:
-        """The param groups, and the state of the parameters this rank owns."""
-        if self._owned_names is None or path[:1] != ("state",) or len(path) < 2:
+        """The param groups, and the state of the parameters this rank owns (all of it when saved by name, which
+        only the model can translate)."""
+        if self._owned_names is None or path[:1] != ("state",) or len(path) < 2 or not str(path[1]).isdigit():
             return True
         return str(path[1]) in self._owned_names
 
@@ -257,6 +258,11 @@ class ZeROState(ShardedState):
             raise ValueError(
                 f"Expected an optimizer state dict with keys 'state' and 'param_groups' for this {name}, got "
                 f"{type(state_dict).__name__} with keys {keys}"
+            )
+        if any(not isinstance(index, int) for index in state_dict["state"]):
+            raise ValueError(
+                f"The saved state of this {name} is keyed by parameter names: load it together with the model whose "
+                "parameters the optimizer updates, e.g. {'model': model, 'optimizer': optimizer}"
             )
         saved = [len(group["params"]) for group in state_dict["param_groups"]]
         own = [len(group["params"]) for group in self.obj.param_groups]
