@@ -15,6 +15,14 @@ group ``ignite_zero.groups.cpu_group`` makes. For FSDP1 (flat and original param
   state where their parameters are, and train on bitwise equal to the uninterrupted run; loading again into an
   optimizer that has state grows GPU memory by less than the same bound.
 
+fairscale's ``FullyShardedDataParallel`` (plain, nested units, ``flatten_parameters=False``, ``mixed_precision``,
+``move_params_to_cpu``) runs in 2 processes that share the GPU over gloo (NCCL refuses two ranks on one device),
+and goes through ``ignite_zero.Checkpoint``: the file, written by rank 1, holds plain CPU tensors close to the
+twin's state (the same format as FSDP1's); the save grows GPU memory on each rank by less than the bound above;
+``Checkpoint.load_objects`` into a fresh fairscale model on both ranks gathers back exactly, loading again grows
+GPU memory by less than the bound, and the model trains on bitwise equal to the uninterrupted one; the file loads
+into a plain module and Adam on the recipient, equal to it.
+
 Prints a line per setup and exits 1 if any check fails.
 """
 
@@ -22,13 +30,18 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+import multiprocessing
 import os
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 # Deterministic cuBLAS, for the bitwise comparison of resumed runs; set before CUDA starts.
@@ -36,6 +49,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from ignite.engine import Engine  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.fsdp import (  # noqa: E402
     CPUOffload,
@@ -46,6 +60,8 @@ from torch.distributed.fsdp import (  # noqa: E402
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from ignite_zero import Checkpoint, DiskSaver, _compat  # noqa: E402
+from ignite_zero.adapters import FairscaleFSDPModelState, FairscaleFSDPOptimizerState  # noqa: E402
 from ignite_zero.adapters.fsdp import FSDPModelState, FSDPOptimizerState  # noqa: E402
 
 MiB = 2**20
@@ -209,6 +225,160 @@ def _check(name: str, device: torch.device) -> str:
     )
 
 
+# --------------------------------------------------------------------------------------------------
+# fairscale's FullyShardedDataParallel: 2 processes on the one GPU, saved and loaded through ignite_zero.Checkpoint
+
+# name -> options of fairscale's FullyShardedDataParallel; "nested" wraps each block in a unit of its own
+FAIRSCALE_SETUPS: dict[str, dict[str, Any]] = {
+    "fairscale_fsdp": {},
+    "fairscale_nested": {"nested": True},
+    "fairscale_no_flatten": {"nested": True, "flatten_parameters": False},
+    "fairscale_mixed": {"mixed_precision": True},
+    "fairscale_cpu_offload": {"move_params_to_cpu": True},
+}
+FAIRSCALE_RECIPIENT = 1  # not rank 0: fairscale's own routes gather to rank 0 only
+FAIRSCALE_TIMEOUT_S = 420  # for all setups; ranks still running then are killed and reported
+
+
+def _fairscale(name: str, net: _Net, device: torch.device) -> nn.Module:
+    from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP  # type: ignore[import-untyped]
+
+    options = dict(FAIRSCALE_SETUPS[name])
+    nested = options.pop("nested", False)
+    net = net.to("cpu" if options.get("move_params_to_cpu") else device)  # offloaded parameters start on the CPU
+    if nested:
+        for index, block in enumerate(net.blocks):
+            net.blocks[index] = FairscaleFSDP(block, compute_device=device, **options)
+    return FairscaleFSDP(net, compute_device=device, **options)
+
+
+def _fairscale_gather(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "model": FairscaleFSDPModelState(model, FAIRSCALE_RECIPIENT).state_dict(),
+        "optimizer": FairscaleFSDPOptimizerState(model, optimizer, FAIRSCALE_RECIPIENT).state_dict(),
+    }
+
+
+def _check_fairscale(name: str, rank: int, directory: Path) -> str:
+    """Run one fairscale setup on this rank; on the recipient, check it and return a summary line (every collective
+    comes first, so that a failed check leaves no rank waiting)."""
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    twin = _Net().to(device)
+    model = _fairscale(name, copy.deepcopy(twin), device)
+    twin_optimizer, optimizer = _adam(twin), _adam(model)
+    # the same batches on both ranks: the averaged gradient is the twin's
+    _train(twin, twin_optimizer, range(3), device)
+    _train(model, optimizer, range(3), device)
+    bound = max(p.numel() * p.element_size() for p in twin.parameters()) + MiB
+
+    checkpoint = Checkpoint(
+        {"model": model, "optimizer": optimizer},
+        DiskSaver(directory, require_empty=False),
+        consolidate_recipient_rank=FAIRSCALE_RECIPIENT,
+    )
+    with _gpu_growth(device) as save_growth:
+        checkpoint(Engine(lambda engine, batch: None))
+    path = checkpoint.last_checkpoint
+    assert path is not None, "no checkpoint was written"
+
+    torch.manual_seed(1)
+    fresh = _fairscale(name, _Net(), device)
+    fresh_optimizer = _adam(fresh)
+    Checkpoint.load_objects({"model": fresh, "optimizer": fresh_optimizer}, path)
+    again = _fairscale_gather(fresh, fresh_optimizer)
+    with _gpu_growth(device) as load_growth:  # into an optimizer that has state: nothing new on the GPU
+        Checkpoint.load_objects({"model": fresh, "optimizer": fresh_optimizer}, path)
+    _train(model, optimizer, range(3, 5), device)
+    _train(fresh, fresh_optimizer, range(3, 5), device)
+    resumed, uninterrupted = _fairscale_gather(fresh, fresh_optimizer), _fairscale_gather(model, optimizer)
+    assert save_growth[0] < bound, f"the save allocated {save_growth[0] / MiB:.1f} MiB on the GPU (bound {bound / MiB})"
+    assert load_growth[0] < bound, f"loading allocated {load_growth[0] / MiB:.1f} MiB on the GPU (bound {bound / MiB})"
+    if rank != FAIRSCALE_RECIPIENT:
+        assert again == resumed == uninterrupted == {"model": {}, "optimizer": {}}, "a non-recipient got state"
+        return ""
+
+    saved = torch.load(path, weights_only=True)
+    placed = [(type(t).__name__, t.device.type) for t in _tensors(saved)]
+    assert all(p == ("Tensor", "cpu") for p in placed), f"saved tensors are not all plain CPU tensors: {set(placed)}"
+    mixed = FAIRSCALE_SETUPS[name].get("mixed_precision", False)
+    # mixed precision computes in fp16, the twin in fp32
+    tolerance: dict[str, Any] = {"atol": 1e-2, "rtol": 1e-2} if mixed else {"atol": 1e-4, "rtol": 1e-3}
+    torch.testing.assert_close(saved["model"], {k: v.cpu() for k, v in twin.state_dict().items()}, **tolerance)
+    twin_state = _plain_optimizer_state(twin, twin_optimizer)
+    torch.testing.assert_close(saved["optimizer"]["state"], twin_state, **tolerance, check_device=False)
+    _assert_same(again, saved)
+    for param, state in fresh_optimizer.state.items():
+        for key, value in state.items():
+            assert key == "step" or value.device == param.device, (
+                f"optimizer state {key} on {value.device}, parameter on {param.device}"
+            )
+    _assert_same(resumed, uninterrupted)
+
+    plain = _Net().to(device)  # the file into a plain module and optimizer: a local load, on this rank only
+    plain_optimizer = _adam(plain)
+    Checkpoint.load_objects({"model": plain, "optimizer": plain_optimizer}, path)
+    torch.testing.assert_close({k: v.cpu() for k, v in plain.state_dict().items()}, saved["model"], atol=0, rtol=0)
+    plain_state = _plain_optimizer_state(plain, plain_optimizer)
+    torch.testing.assert_close(plain_state, saved["optimizer"]["state"], atol=0, rtol=0, check_device=False)
+    growth = f"save {save_growth[0] / MiB:.1f} MiB, load {load_growth[0] / MiB:.1f} MiB"
+    return f"GPU growth: {growth} (bound {bound / MiB:.0f} MiB)"
+
+
+def _fairscale_rank(rank: int, directory: str) -> None:
+    """One of the 2 processes: run every fairscale setup, and write the agreed result lines to ``result{rank}``."""
+    torch.cuda.set_device(0)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated")  # fairscale's own storage calls
+    store = f"file://{Path(directory) / 'store'}"
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2, timeout=timedelta(minutes=3))
+    lines = []
+    try:
+        for name in FAIRSCALE_SETUPS:
+            outcome: tuple[str, str | None] = ("", None)
+            try:
+                outcome = (_check_fairscale(name, rank, Path(directory) / name), None)
+            except Exception:
+                outcome = ("", traceback.format_exc())
+            outcomes: list[Any] = [None, None]
+            dist.all_gather_object(outcomes, outcome)  # both ranks report the same: one failure fails the setup
+            failures = [f"rank {r}:\n{failure}" for r, (_, failure) in enumerate(outcomes) if failure]
+            summary = outcomes[FAIRSCALE_RECIPIENT][0]
+            lines.append(f"{name:20} FAILED\n" + "\n".join(failures) if failures else f"{name:20} ok    {summary}")
+    finally:
+        (Path(directory) / f"result{rank}").write_text(json.dumps(lines))
+        dist.destroy_process_group()
+
+
+def _run_fairscale() -> int:
+    """Run the fairscale setups in 2 spawned processes; print a line per setup; return the number that failed."""
+    if _compat.fairscale_fsdp_class() is None:
+        print(f"{'fairscale':20} skipped: fairscale is not installed")
+        return 0
+    context = multiprocessing.get_context("spawn")  # this process has started CUDA: no fork
+    with tempfile.TemporaryDirectory() as tmp:
+        processes = [context.Process(target=_fairscale_rank, args=(rank, tmp)) for rank in range(2)]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + FAIRSCALE_TIMEOUT_S
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        result = Path(tmp) / f"result{FAIRSCALE_RECIPIENT}"
+        lines = json.loads(result.read_text()) if result.exists() else []
+        codes = [process.exitcode for process in processes]
+    for line in lines:
+        print(line)
+    missing = len(FAIRSCALE_SETUPS) - len(lines)
+    if hung or missing:
+        print(f"{'fairscale':20} FAILED: {missing} setup(s) unreported, ranks {hung} hung, exit codes {codes}")
+    return missing + sum(" FAILED" in line.splitlines()[0] for line in lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -241,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name:20} FAILED\n{traceback.format_exc()}")
         finally:
             dist.destroy_process_group()
+    if device.type == "cuda":
+        failures += _run_fairscale()
+    else:
+        print(f"{'fairscale':20} skipped: needs a GPU")
     print("all checks passed" if not failures else f"{failures} setup(s) failed")
     return 1 if failures else 0
 
