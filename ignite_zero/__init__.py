@@ -1,6 +1,14 @@
 """ignite_zero: correct, cheap and boring checkpoints of sharded PyTorch training state for PyTorch-Ignite."""
 
-from ignite_zero.adapters import FSDPModelState, FSDPOptimizerState, PerRank, ShardedState, ZeROState
+from ignite_zero.adapters import (
+    FairscaleFSDPModelState,
+    FairscaleFSDPOptimizerState,
+    FSDPModelState,
+    FSDPOptimizerState,
+    PerRank,
+    ShardedState,
+    ZeROState,
+)
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, CollectiveTimeoutError, RankFailureError
 from ignite_zero.checkpoint import Checkpoint, ModelCheckpoint
 from ignite_zero.handlers import ConsolidateZeROHandler, SaveOnSignal
@@ -15,6 +23,8 @@ __all__ = [
     "CollectiveTimeoutError",
     "ConsolidateZeROHandler",
     "DiskSaver",
+    "FairscaleFSDPModelState",
+    "FairscaleFSDPOptimizerState",
     "FSDPModelState",
     "FSDPOptimizerState",
     "IntegrityError",
