@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = [
@@ -39,9 +40,11 @@ __all__ = [
     "ZeROParameters",
     "arguments",
     "each_configuration",
+    "fsdp2_adam_after_one_step",
     "fsync",
     "launch",
     "measure",
+    "parser",
     "scratch_directory",
     "summary",
     "zero_adam_after_one_step",
@@ -188,6 +191,20 @@ class ZeROParameters(nn.Module):
         self.weights = nn.ParameterList(nn.Parameter(torch.randn(size) * 0.01) for size in sizes)
 
 
+def fsdp2_adam_after_one_step(count: int, width: int = 2048) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """About ``count`` parameters in ``width x width`` linear layers, each an FSDP2 unit (``fully_shard``) over
+    the whole world, and Adam on them with its state created by one step."""
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(max(1, round(count / (width * width + width))))))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
 def zero_adam_after_one_step(model: nn.Module) -> ZeroRedundancyOptimizer:
     """Adam under ZeRO, with its state created by one step."""
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
@@ -207,17 +224,23 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def arguments(
-    description: str, params: list[float], argv: list[str] | None, paths: Sequence[str] = ()
-) -> argparse.Namespace:
-    """The command line every benchmark takes: sizes, world sizes, runs, and which of its ``paths`` to run."""
+def parser(description: str, params: list[float], paths: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The command line every benchmark takes: sizes, world sizes, runs, and which of its ``paths`` to run; a
+    benchmark may add its own options."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, nargs="+", default=params, help="parameters of the model")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--runs", type=int, default=5, help="measured rounds after the warm-up round")
     if paths:
         parser.add_argument("--paths", nargs="+", choices=paths, default=list(paths), help="what to measure")
-    return parser.parse_args(argv)
+    return parser
+
+
+def arguments(
+    description: str, params: list[float], argv: list[str] | None, paths: Sequence[str] = ()
+) -> argparse.Namespace:
+    """The parsed command line of :func:`parser`."""
+    return parser(description, params, paths).parse_args(argv)
 
 
 def each_configuration(

@@ -1,24 +1,32 @@
 """Sharded and asynchronous saves: ignite_zero against a raw ``dcp.save`` and against its own synchronous saves.
 
-    python benchmarks/sharded.py                          # 100M parameters on 2 and 4 ranks
-    python benchmarks/sharded.py --params 25e6 --world-sizes 2 --runs 3
+    python benchmarks/sharded.py             # sharded / dcp.save: ZeRO and FSDP2, 50M parameters, 2 and 4 ranks,
+                                             # tmpfs and disk (about 4 minutes on the 2-core CI machine)
+    python benchmarks/sharded.py --paths dcp.save sharded consolidated "sharded async" "consolidated async" memcpy
+    python benchmarks/sharded.py --kinds fsdp2 --targets tmpfs --world-sizes 2 --params 25e6 --runs 15
 
-Every configuration trains one step of Adam under ``ZeroRedundancyOptimizer`` on gloo ranks (CPU), then saves
-``{"model", "optimizer"}`` again and again, interleaving the paths after a warm-up round:
+Every configuration trains one step of Adam on gloo ranks (CPU), under ``ZeroRedundancyOptimizer`` (``zero``: the
+model in tensors of 4M parameters) or on a model of 2048 x 2048 linear layers, each an FSDP2 unit (``fsdp2``), then
+saves ``{"model", "optimizer"}`` (12 bytes per parameter) again and again, interleaving the paths (their order
+rotates every round) after a warm-up round; ``--paths`` picks them, ``dcp.save`` and ``sharded`` by default:
 
 - ``dcp.save``: the floor of a sharded save: ``torch.distributed.checkpoint.save`` of exactly what
-  ignite_zero's sharded save writes (every rank its optimizer shard; the model, which every rank holds, once);
+  ignite_zero's sharded save writes (ZeRO: every rank its optimizer shard, the model, which every rank holds,
+  once; FSDP2: every rank its shards of both);
 - ``sharded``: ``Checkpoint(ShardedSaver(...))``: the same, plus agreement, per-file CRC-32 while writing, the
   sealed manifest, fsync and the rename into place;
 - ``consolidated``: ``Checkpoint(DiskSaver(...))``: everything gathered on rank 0, one file;
 - ``sharded async`` and ``consolidated async``: the same with ``async_save=True``: the time the training loop
   is blocked (the call's return), then the background write is waited for before the next run;
-- ``memcpy``: one copy of what a sharded asynchronous save stages on each rank (its share of the model, which
-  every rank holds, and its optimizer shard) into buffers allocated beforehand: the least staging has to do, and
+- ``memcpy``: one copy of what a sharded asynchronous save stages on each rank (ZeRO: its share of the model and
+  its optimizer shard; FSDP2: its shards) into buffers allocated beforehand: the least staging has to do, and
   the yardstick of the asynchronous stall.
 
-It prints the median (and min/max) over the runs of each path, the worst rank's time for the stall, and the
-ratios the targets are stated in: sharded / dcp.save, async stall / memcpy, synchronous save / async stall.
+Each target is a directory: ``tmpfs`` is ``/dev/shm`` (memory: what ignite_zero adds shows undiluted), ``disk``
+the temporary directory or ``IGNITE_ZERO_BENCH_DIR``. A save's time is its worst rank's. The table gives each
+path's min / median / max over the runs, and the ratios the targets are stated in: sharded / dcp.save as the
+median [min-max] of the ratios of the two within each round (a round's two saves see the same machine), async
+stall / memcpy, synchronous save / async stall. A summary of sharded / dcp.save ends the run.
 """
 
 from __future__ import annotations
@@ -34,54 +42,82 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _common import (
     ZeROParameters,
-    arguments,
-    each_configuration,
+    fsdp2_adam_after_one_step,
+    launch,
+    parser,
+    scratch_directory,
     summary,
     zero_adam_after_one_step,
 )
 from ignite.engine import Engine
+from torch.distributed.tensor import DTensor
 
 from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, sharded
 from ignite_zero.adapters import ZeROState
+from ignite_zero.adapters.fsdp import FSDPModelState, FSDPOptimizerState
 
 PATHS = ("dcp.save", "sharded", "consolidated", "sharded async", "consolidated async", "memcpy")
+KINDS = ("zero", "fsdp2")
+TARGETS = ("tmpfs", "disk")
+
+Results = dict[tuple[str, str, int, int], list[dict[str, list[float]]]]
 
 
-def _rank(rank: int, world_size: int, count: int, runs: int, directory: Path) -> dict[str, list[float]]:
-    model = ZeROParameters(count)
-    optimizer = zero_adam_after_one_step(model)
-    to_save = {"model": model, "optimizer": optimizer}
+def _state(kind: str, count: int, rank: int, world_size: int) -> tuple[dict[str, Any], Any, list[torch.Tensor]]:
+    """What to save, the function giving what ``dcp.save`` writes for the floor, and what a rank stages."""
+    if kind == "zero":
+        model = ZeROParameters(count)
+        optimizer = zero_adam_after_one_step(model)
+
+        def floor() -> dict[str, Any]:
+            return {"model": model.state_dict(), "optimizer": ZeROState(optimizer).sharded_state_dict()}
+
+        # its share of the model (which every rank holds) and its optimizer shard
+        share = sharded.share(model.state_dict(), rank, world_size, keeper=0)
+        staged = _tensors({"model": share, "optimizer": ZeROState(optimizer).sharded_state_dict()})
+    else:
+        model, optimizer = fsdp2_adam_after_one_step(count)
+        model_state, optimizer_state = FSDPModelState(model, 0), FSDPOptimizerState(model, optimizer, 0)
+
+        def floor() -> dict[str, Any]:
+            return {"model": model_state.sharded_state_dict(), "optimizer": optimizer_state.sharded_state_dict()}
+
+        staged = _tensors(floor())
+    return {"model": model, "optimizer": optimizer}, floor, staged
+
+
+def _rank(
+    rank: int, world_size: int, kind: str, count: int, runs: int, directory: Path, paths: tuple[str, ...]
+) -> dict[str, list[float]]:
+    to_save, floor, staged = _state(kind, count, rank, world_size)
     engine = Engine(lambda e, b: None)
 
-    def saver(kind: str, async_save: bool) -> Checkpoint:
-        cls = ShardedSaver if kind == "sharded" else DiskSaver
+    def saver(sharded_save: bool, async_save: bool) -> Checkpoint:
+        cls = ShardedSaver if sharded_save else DiskSaver
         return Checkpoint(
-            to_save, cls(directory / f"{kind}{async_save}", require_empty=False), n_saved=None, async_save=async_save
+            to_save,
+            cls(directory / f"{cls.__name__}{async_save}", require_empty=False),
+            n_saved=None,
+            async_save=async_save,
         )
 
     handlers = {
-        "sharded": saver("sharded", False),
-        "consolidated": saver("consolidated", False),
-        "sharded async": saver("sharded", True),
-        "consolidated async": saver("consolidated", True),
+        name: saver(name.startswith("sharded"), name.endswith("async"))
+        for name in paths
+        if name not in ("dcp.save", "memcpy")
     }
-    # what a sharded asynchronous save stages on this rank: its share of the model (which every rank holds) and its
-    # optimizer shard
-    share = sharded.share(model.state_dict(), rank, world_size, keeper=0)
-    parts = _tensors({"model": share, "optimizer": ZeROState(optimizer).sharded_state_dict()})
-    buffers = [torch.empty_like(t) for t in parts]
+    buffers = [torch.empty_like(t) for t in staged] if "memcpy" in paths else []
 
     def raw_dcp() -> None:
-        state = {"model": model.state_dict(), "optimizer": ZeROState(optimizer).sharded_state_dict()}
-        dcp.save(state, checkpoint_id=directory / "raw" / str(engine.state.iteration))
+        dcp.save(floor(), checkpoint_id=directory / "raw" / str(engine.state.iteration))
 
     def memcpy() -> None:
-        for buffer, tensor in zip(buffers, parts):
+        for buffer, tensor in zip(buffers, staged):
             buffer.copy_(tensor)
 
-    times: dict[str, list[float]] = {path: [] for path in PATHS}
+    times: dict[str, list[float]] = {path: [] for path in paths}
     for run in range(runs + 1):  # the first round warms up connections, caches, allocators and staging buffers
-        for name in PATHS[run % len(PATHS) :] + PATHS[: run % len(PATHS)]:
+        for name in paths[run % len(paths) :] + paths[: run % len(paths)]:
             engine.state.iteration += 1
             dist.barrier()
             started = time.perf_counter()
@@ -105,6 +141,8 @@ def _rank(rank: int, world_size: int, count: int, runs: int, directory: Path) ->
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, DTensor):
+        return [state.to_local()]
     if isinstance(state, torch.Tensor):
         return [state]
     if isinstance(state, dict):
@@ -114,35 +152,81 @@ def _tensors(state: Any) -> list[torch.Tensor]:
     return []
 
 
-def _table(results: dict[tuple[int, int], list[dict[str, list[float]]]]) -> str:
+def _worst(ranks: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Each run's time of each path on its slowest rank: a save ends when every rank's does."""
+    return {path: [max(values) for values in zip(*(r[path] for r in ranks))] for path in ranks[0]}
+
+
+def _ratio(worst: dict[str, list[float]]) -> tuple[float, float, float]:
+    """sharded / dcp.save: (min, median, max) of the ratios within each round."""
+    return summary([s / d for s, d in zip(worst["sharded"], worst["dcp.save"])])
+
+
+def _table(results: Results) -> str:
     rows = [
-        "| parameters | ranks | path | seconds min / median / max | ratio |",
-        "|---|---|---|---|---|",
+        "| kind | target | parameters | ranks | path | seconds min / median / max | ratio |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for (count, world_size), ranks in sorted(results.items()):
-        # a rank's save ends when every rank's does; the stall is the worst rank's
-        worst = {path: [max(values) for values in zip(*(r[path] for r in ranks))] for path in PATHS}
+    for (kind, target, count, world_size), ranks in results.items():
+        worst = _worst(ranks)
         median = {path: statistics.median(values) for path, values in worst.items()}
-        ratios = {
-            "sharded": f"{median['sharded'] / median['dcp.save']:.2f} x dcp.save",
-            "sharded async": f"{median['sharded async'] / median['memcpy']:.2f} x memcpy, "
-            f"{median['sharded'] / median['sharded async']:.0f}x less than synchronous",
-            "consolidated async": f"{median['consolidated async'] / median['memcpy']:.2f} x memcpy, "
-            f"{median['consolidated'] / median['consolidated async']:.0f}x less than synchronous",
-            "consolidated": f"{median['consolidated'] / median['dcp.save']:.2f} x dcp.save",
-        }
-        for path in PATHS:
-            low, middle, high = summary(worst[path])
+        ratios = {}
+        if {"sharded", "dcp.save"} <= median.keys():
+            low, middle, high = _ratio(worst)
+            ratios["sharded"] = f"{middle:.2f} x dcp.save [{low:.2f}-{high:.2f}]"
+        if {"consolidated", "dcp.save"} <= median.keys():
+            ratios["consolidated"] = f"{median['consolidated'] / median['dcp.save']:.2f} x dcp.save"
+        for mode in ("sharded", "consolidated"):
+            if {f"{mode} async", "memcpy"} <= median.keys():
+                ratios[f"{mode} async"] = f"{median[f'{mode} async'] / median['memcpy']:.2f} x memcpy"
+                if mode in median:
+                    ratios[f"{mode} async"] += f", {median[mode] / median[f'{mode} async']:.0f}x less than synchronous"
+        for path, values in worst.items():
+            low, middle, high = summary(values)
             rows.append(
-                f"| {count / 1e6:.0f}M | {world_size} | {path} | {low:.3f} / {middle:.3f} / {high:.3f} "
-                f"| {ratios.get(path, '')} |"
+                f"| {kind} | {target} | {count / 1e6:.0f}M | {world_size} | {path} "
+                f"| {low:.3f} / {middle:.3f} / {high:.3f} | {ratios.get(path, '')} |"
             )
     return "\n".join(rows)
 
 
+def _summary_table(results: Results) -> str:
+    rows = [
+        "| kind | target | parameters | ranks | dcp.save s | sharded s | sharded / dcp.save median [min-max] |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (kind, target, count, world_size), ranks in results.items():
+        worst = _worst(ranks)
+        low, middle, high = _ratio(worst)
+        rows.append(
+            f"| {kind} | {target} | {count / 1e6:.0f}M | {world_size} | {statistics.median(worst['dcp.save']):.3f} "
+            f"| {statistics.median(worst['sharded']):.3f} | {middle:.2f} [{low:.2f}-{high:.2f}] |"
+        )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = arguments(__doc__, [100e6], argv)
-    each_configuration(_rank, args, "sharded", _table)
+    options = parser(__doc__, [50e6], PATHS)
+    options.set_defaults(paths=["dcp.save", "sharded"], runs=9)  # all six paths take 3 times as long
+    options.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="what is sharded")
+    options.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS), help="where it is written")
+    args = options.parse_args(argv)
+    paths = tuple(path for path in PATHS if path in args.paths)  # the table's order, whatever the command line's
+    results: Results = {}
+    for target in args.targets:
+        directory = (Path("/dev/shm") if target == "tmpfs" else scratch_directory()) / "ignite_zero-sharded"
+        for kind in args.kinds:
+            for count in map(int, args.params):
+                for world_size in args.world_sizes:
+                    shutil.rmtree(directory, ignore_errors=True)
+                    directory.mkdir(parents=True)
+                    key = (kind, target, count, world_size)
+                    results[key] = launch(_rank, world_size, kind, count, args.runs, directory, paths)
+                    print(f"{kind}, {target}, {count / 1e6:.0f}M parameters on {world_size} ranks:", flush=True)
+                    print(_table({key: results[key]}) + "\n", flush=True)
+        shutil.rmtree(directory, ignore_errors=True)
+    if {"sharded", "dcp.save"} <= set(paths):
+        print(f"sharded / dcp.save:\n{_summary_table(results)}")
 
 
 if __name__ == "__main__":
