@@ -19,10 +19,12 @@ __all__ = [
     "TORCH_VERSION",
     "CheckpointEvents",
     "consolidated_state_attribute",
+    "dcp_entry_path",
     "dcp_host_copies",
     "default_store",
     "fairscale_oss_class",
     "serialization_crc32",
+    "set_dcp_file_system",
     "sharded_optimizer_kind",
     "zero_awaits_ddp",
 ]
@@ -120,6 +122,26 @@ def dcp_host_copies() -> tuple[Any, Any]:
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
     return _create_cpu_state_dict, _copy_state_dict
+
+
+def set_dcp_file_system(writer: Any, file_system: Any) -> None:
+    """Make DCP's ``FileSystemWriter`` write through ``file_system`` (a ``FileSystem`` that checksums what passes).
+
+    The writer keeps its file system in the attribute ``fs`` (torch 2.6 to 2.14) and offers no argument for it.
+    """
+    if not hasattr(writer, "fs"):
+        raise RuntimeError(
+            f"torch {torch.__version__}'s FileSystemWriter keeps no `fs`: ignite_zero cannot checksum sharded saves "
+            "with this torch; use the versions it was tested with (see README, Compatibility)"
+        )
+    writer.fs = file_system
+
+
+def dcp_entry_path(metadata: Any, name: str) -> tuple[Any, ...]:
+    """The path, in the nested state it was saved from, of the flattened DCP entry ``name``
+    (``("optimizer", "state", "3", "exp_avg")``), from the mapping DCP's default planner keeps in ``planner_data``."""
+    planner_data = getattr(metadata, "planner_data", None) or {}
+    return tuple(planner_data.get(name, (name,)))
 
 
 @contextmanager

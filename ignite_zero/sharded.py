@@ -42,6 +42,7 @@ __all__ = [
     "nest",
     "path_of",
     "read_manifest",
+    "in_one_process",
     "read_metadata",
     "seal",
     "share",
@@ -139,7 +140,8 @@ class ChecksummingWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike, thread_count: int = 1, cache_staged_state_dict: bool = False) -> None:
         super().__init__(path, thread_count=thread_count, cache_staged_state_dict=cache_staged_state_dict)
-        self.fs = _ChecksummingFileSystem()
+        self._files = _ChecksummingFileSystem()
+        _compat.set_dcp_file_system(self, self._files)
         self._copies: Any = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -158,7 +160,7 @@ class ChecksummingWriter(FileSystemWriter):
 
     @property
     def written(self) -> dict[str, tuple[int, int]]:
-        return self.fs.written
+        return self._files.written
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -247,8 +249,7 @@ def read_metadata(directory: str | os.PathLike) -> Metadata:
 
 def path_of(metadata: Metadata, name: str) -> tuple[Any, ...]:
     """The path of a flattened entry in the nested state it was saved from (``("optimizer", "state", "3", ...)``)."""
-    planner_data = metadata.planner_data or {}
-    return tuple(planner_data.get(name, (name,)))
+    return _compat.dcp_entry_path(metadata, name)
 
 
 def name_of(path: tuple[Any, ...]) -> str:
@@ -325,6 +326,13 @@ def load(state: dict[str, Any], directory: str | os.PathLike) -> None:
 
     Local: every rank reads what its own template names, so ranks need no collective to load.
     """
-    with warnings.catch_warnings():  # DCP warns that it assumes one process: intended, each rank reads its own
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+    with in_one_process():  # each rank reads its own
         dcp.load(state, checkpoint_id=directory, no_dist=True)
+
+
+@contextmanager
+def in_one_process() -> Iterator[None]:
+    """Without DCP's warning that it assumes one process: where that is intended (``no_dist=True``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (load|save) in a single process")
+        yield

@@ -4,6 +4,7 @@ renamed into place."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -177,7 +178,8 @@ class ShardedSaver(DirectorySaver):
         failure = None
         started = time.perf_counter()
         try:
-            dcp.save(dict(state), storage_writer=writer, process_group=group, no_dist=_alone(ranks))
+            with sharded.in_one_process() if _alone(ranks) else contextlib.nullcontext():
+                dcp.save(dict(state), storage_writer=writer, process_group=group, no_dist=_alone(ranks))
         except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException
             failure = error
         self._commit(filename, partial, writer, failure, timeout, stream, ranks, started)
@@ -194,9 +196,10 @@ class ShardedSaver(DirectorySaver):
         partial, writer = self._begin(state, filename, timeout, stream, ranks, cache=True)
         started = time.perf_counter()
         # a Future: with DCP's default stager, staging is done once async_save returns
-        future = cast(
-            Future, dcp.async_save(dict(state), storage_writer=writer, process_group=group, no_dist=_alone(ranks))
-        )
+        with sharded.in_one_process() if _alone(ranks) else contextlib.nullcontext():
+            future = cast(
+                Future, dcp.async_save(dict(state), storage_writer=writer, process_group=group, no_dist=_alone(ranks))
+            )
 
         def finish() -> None:
             failure = None
