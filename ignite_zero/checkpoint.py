@@ -219,12 +219,17 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         if self._background is not None:
             stream = self._background.claim(f"{saver.identity}|{self.filename_prefix}|{_layout(self.to_save)}")
             request = dataclasses.replace(request, stream=stream)
-            self._background.start(
-                lambda: saver.stage(objects, request),
-                what=plan.filename,
-                ranks=ranks,
-                durable=lambda: self._finish(engine, plan, len(ranks) == 1),
-            )
+            try:
+                self._background.start(
+                    lambda: saver.stage(objects, request),
+                    what=plan.filename,
+                    ranks=ranks,
+                    durable=lambda: self._finish(engine, plan, len(ranks) == 1),
+                )
+            except Exception as error:
+                if len(ranks) == 1:
+                    self._tell_failure(error)
+                raise
             return
         failure = None
         with busy(interval=min(1.0, self.sync_timeout / 4)):

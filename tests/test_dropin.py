@@ -308,3 +308,39 @@ def test_error_messages_never_raise_for_objects_without_a_qualname():
 
     with pytest.raises(TypeError, match=r"Cannot tell how Sharded.consolidate_state_dict\(.*\) takes the recipient"):
         Checkpoint({"optimizer": Sharded()}, lambda checkpoint, name: None)(Engine(lambda e, b: None))
+
+
+class _FailingOnce:
+    """A plain object whose state cannot be read at its second save on rank 0."""
+
+    def __init__(self, rank):
+        self.rank, self.calls = rank, 0
+
+    def state_dict(self):
+        self.calls += 1
+        if self.rank == 0 and self.calls == 2:
+            raise OSError(5, "Input/output error")
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _async_recipient_fails(rank, world_size, dirname):
+    handler = Checkpoint({"thing": _FailingOnce(rank)}, DiskSaver(dirname), n_saved=1, async_save=True)
+    engine = Engine(lambda e, b: None)
+    handler(engine)
+    handler.wait()
+    engine.state.iteration = 1
+    if rank == 0:
+        with pytest.raises(OSError, match="Input/output error"):
+            handler(engine)  # staging fails on the recipient
+    dist.barrier()
+    if rank == 1:
+        with pytest.raises(RankFailureError, match=r"on rank 0, the recipient, failed: OSError"):
+            handler(engine)
+
+
+@pytest.mark.distributed
+def test_a_failed_asynchronous_save_of_replicated_state_reaches_the_other_ranks(tmp_path):
+    run_ranks(_async_recipient_fails, 2, tmp_path)
