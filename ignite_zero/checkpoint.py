@@ -170,6 +170,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         self.consolidate_recipient_rank = recipient
         self.sync_timeout = float(sync_timeout)
         self.async_save = async_save
+        self._ext_given: str | None = None  # ignite's __init__ set "pt": the saver decides unless a user sets it
         self._saver = (save_handler, saver)
         self._background = BackgroundSaves(self.sync_timeout) if async_save else None
 
@@ -185,11 +186,12 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
 
     @property  # type: ignore[override]
     def ext(self) -> str:
-        return self.saver.ext
+        """Extension of the file names: the saver's (``pt``, ``dcp``), unless set after construction."""
+        return self._ext_given or self.saver.ext
 
     @ext.setter
-    def ext(self, value: str) -> None:  # ignite's __init__ sets it; the saver decides
-        pass
+    def ext(self, value: str) -> None:
+        self._ext_given = value
 
     @property
     def last_checkpoint(self) -> str | Path | None:

@@ -67,3 +67,11 @@ def test_savers_list_the_checkpoints_they_hold(tmp_path):
         assert handler.last_checkpoint == saver.directory / f"model_3.{ext}"
     torch.save({}, tmp_path / "files" / ".model_9.pt.ignite_zero-abc.tmp")  # left by an interrupted save
     assert DiskSaver(tmp_path / "files").list() == ["model_2.pt", "model_3.pt"]
+
+
+def test_the_extension_is_the_savers_unless_set(tmp_path):
+    assert Checkpoint({"model": tiny_model()}, ShardedSaver(tmp_path / "s")).ext == "dcp"
+    handler = Checkpoint({"model": tiny_model()}, DiskSaver(tmp_path / "f"))
+    handler.ext = "pth"  # as with ignite's Checkpoint
+    handler(Engine(lambda e, b: None))
+    assert handler.last_checkpoint == tmp_path / "f" / "model_0.pth"
