@@ -52,11 +52,11 @@ from ignite_zero.adapters.base import ShardedState
 
 # The optimizer state is the FSDP1/FSDP2 adapters' format: their helpers build, check and split it.
 from ignite_zero.adapters.fsdp import (
-    _add_state,
-    _check_optimizer_state,
-    _hyperparameters,
-    _local_optimizer_state,
+    assemble_optimizer_state,
+    check_optimizer_state,
     is_fsdp_module,
+    local_optimizer_state,
+    optimizer_pieces,
     owns_parameters,
 )
 from ignite_zero.adapters.regions import Pieces, gather_pieces
@@ -446,32 +446,11 @@ class FairscaleFSDPOptimizerState(_FairscaleState):
     def snapshot(self) -> tuple[Pieces, list[dict[str, Any]]]:
         """This rank's part of the optimizer state as pieces of the full tensors (views), and the parameter groups
         by name."""
-        layouts = _Layout(self.module).param_layouts()
-        pieces = Pieces()
-        groups = []
-        with torch.no_grad():
-            for group in self.obj.param_groups:
-                names = []
-                for param in group["params"]:
-                    layout = layouts[id(param)]
-                    names += [slot.name for slot in layout.slots]
-                    for key, value in self.obj.state.get(param, {}).items():  # `get`: never creates state
-                        for slot in layout.slots:
-                            _add_state(pieces, ("state", slot.name, key), layout, slot, value)
-                groups.append({**_hyperparameters(group), "params": names})
-        return pieces, groups
+        return optimizer_pieces(self.obj, _Layout(self.module).param_layouts())
 
     def assemble(self, snapshot: tuple[Pieces, list[dict[str, Any]]], group: Any) -> dict[str, Any]:
         """Collective over ``group``: the full optimizer state on the recipient, ``{}`` on every other rank."""
-        pieces, groups = snapshot
-        full = gather_pieces(pieces, self.recipient_rank, group)
-        if full is None:
-            return {}
-        state: dict[str, dict[str, Any]] = {}
-        for (_, name, key), value in full.items():
-            state.setdefault(name, {})[key] = value
-        ordered = {name: state[name] for group in groups for name in group["params"] if name in state}
-        return {"state": ordered, "param_groups": groups}
+        return assemble_optimizer_state(snapshot, self.recipient_rank, group)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore this rank's part of the optimizer state from a full, name-keyed one; local.
@@ -481,7 +460,7 @@ class FairscaleFSDPOptimizerState(_FairscaleState):
                 optimizer's, or its state does not fit the parameters; nothing is changed then.
         """
         layouts = _Layout(self.module).param_layouts()
-        self.obj.load_state_dict(_local_optimizer_state(layouts, self.obj, state_dict, reuse=True))
+        self.obj.load_state_dict(local_optimizer_state(layouts, self.obj, state_dict, reuse=True))
 
     def check_entry(self, state_dict: Mapping[str, Any]) -> None:
         """Raise as :meth:`load_state_dict` would, changing nothing; and without CUDA, as :meth:`check` does.
@@ -490,4 +469,4 @@ class FairscaleFSDPOptimizerState(_FairscaleState):
             ValueError: CUDA is not available, or the state does not fit the optimizer.
         """
         self._require_cuda()
-        _check_optimizer_state(_Layout(self.module).param_layouts(), self.obj, state_dict)
+        check_optimizer_state(_Layout(self.module).param_layouts(), self.obj, state_dict)

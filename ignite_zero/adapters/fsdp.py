@@ -288,34 +288,11 @@ class FSDPOptimizerState(_FSDPState):
     def snapshot(self) -> tuple[Pieces, list[dict[str, Any]]]:
         """This rank's part of the optimizer state as pieces of the full tensors (views), and the parameter groups
         by name."""
-        layouts = _param_layouts(self.module)
-        with torch.no_grad():
-            pieces = Pieces()
-            groups = []
-            for group in self.obj.param_groups:
-                names = []
-                for param in group["params"]:
-                    layout = layouts[id(param)]
-                    names += [slot.name for slot in layout.slots]
-                    if not layout.keeps_state:
-                        continue
-                    for key, value in self.obj.state.get(param, {}).items():  # `get`: never creates state
-                        for slot in layout.slots:
-                            _add_state(pieces, ("state", slot.name, key), layout, slot, value)
-                groups.append({**_hyperparameters(group), "params": names})
-        return pieces, groups
+        return optimizer_pieces(self.obj, _param_layouts(self.module))
 
     def assemble(self, snapshot: tuple[Pieces, list[dict[str, Any]]], group: Any) -> dict[str, Any]:
         """Collective over ``group``: the full optimizer state on the recipient, ``{}`` on every other rank."""
-        pieces, groups = snapshot
-        full = gather_pieces(pieces, self.recipient_rank, group)
-        if full is None:
-            return {}
-        state: dict[str, dict[str, Any]] = {}
-        for (_, name, key), value in full.items():
-            state.setdefault(name, {})[key] = value
-        ordered = {name: state[name] for group in groups for name in group["params"] if name in state}
-        return {"state": ordered, "param_groups": groups}
+        return assemble_optimizer_state(snapshot, self.recipient_rank, group)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's part of the optimizer state by parameter names, as ``get_optimizer_state_dict`` gives it,
@@ -349,11 +326,11 @@ class FSDPOptimizerState(_FSDPState):
             ValueError: ``state_dict`` is not a full optimizer state, its parameter groups do not match the
                 optimizer's, or its state does not fit the parameters; nothing is changed then.
         """
-        self.obj.load_state_dict(_local_optimizer_state(_param_layouts(self.module), self.obj, state_dict, reuse=True))
+        self.obj.load_state_dict(local_optimizer_state(_param_layouts(self.module), self.obj, state_dict, reuse=True))
 
     def check_entry(self, state_dict: Mapping[str, Any]) -> None:
         """Raise as :meth:`load_state_dict` would, changing nothing."""
-        _check_optimizer_state(_param_layouts(self.module), self.obj, state_dict)
+        check_optimizer_state(_param_layouts(self.module), self.obj, state_dict)
 
 
 @contextmanager
@@ -414,7 +391,7 @@ def full_optimizer_state_to_plain(
     """
     if is_fsdp_module(module):
         raise TypeError(f"{type(module).__name__} is an FSDP module: load its optimizer through FSDPOptimizerState")
-    return _local_optimizer_state(_param_layouts(module), optimizer, full_state, reuse=False)
+    return local_optimizer_state(_param_layouts(module), optimizer, full_state, reuse=False)
 
 
 def plain_optimizer_state_to_full(module: nn.Module, plain_state: Mapping[str, Any]) -> dict[str, Any]:
@@ -451,6 +428,44 @@ def plain_optimizer_state_to_full(module: nn.Module, plain_state: Mapping[str, A
 
 # --------------------------------------------------------------------------------------------------
 # Optimizer state: element-wise state follows its parameter's slots; anything else is the same on every rank
+
+
+def optimizer_pieces(
+    optimizer: torch.optim.Optimizer, layouts: dict[int, ParamLayout]
+) -> tuple[Pieces, list[dict[str, Any]]]:
+    """This rank's part of a name-keyed optimizer state, as pieces of the full tensors (views), and its parameter
+    groups by name; ``layouts`` places each parameter (by ``id``) in its full tensors."""
+    pieces = Pieces()
+    groups = []
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            names = []
+            for param in group["params"]:
+                layout = layouts[id(param)]
+                names += [slot.name for slot in layout.slots]
+                if not layout.keeps_state:
+                    continue
+                for key, value in optimizer.state.get(param, {}).items():  # `get`: never creates state
+                    for slot in layout.slots:
+                        _add_state(pieces, ("state", slot.name, key), layout, slot, value)
+            groups.append({**_hyperparameters(group), "params": names})
+    return pieces, groups
+
+
+def assemble_optimizer_state(
+    snapshot: tuple[Pieces, list[dict[str, Any]]], recipient_rank: int, group: Any
+) -> dict[str, Any]:
+    """Collective over ``group``: the full name-keyed optimizer state from every rank's :func:`optimizer_pieces`
+    on the recipient, ``{}`` on every other rank."""
+    pieces, groups = snapshot
+    full = gather_pieces(pieces, recipient_rank, group)
+    if full is None:
+        return {}
+    state: dict[str, dict[str, Any]] = {}
+    for (_, name, key), value in full.items():
+        state.setdefault(name, {})[key] = value
+    ordered = {name: state[name] for group in groups for name in group["params"] if name in state}
+    return {"state": ordered, "param_groups": groups}
 
 
 def _add_state(pieces: Pieces, key: tuple[str, ...], layout: ParamLayout, slot: Slot, value: Any) -> None:
@@ -540,7 +555,7 @@ def _saved_entries(layout: ParamLayout, saved_state: Mapping[str, Any]) -> list[
     return entries
 
 
-def _check_optimizer_state(
+def check_optimizer_state(
     layouts: dict[int, ParamLayout], optimizer: torch.optim.Optimizer, full_state: Mapping[str, Any]
 ) -> tuple[list[torch.Tensor], list[int], list[list[Mapping[str, Any] | None]]]:
     """Check a full, name-keyed state against ``optimizer``; return its parameters, the saved group of each of
@@ -558,7 +573,7 @@ def _check_optimizer_state(
     return params, sources, [_saved_entries(layouts[id(p)], full_state["state"]) for p in params]
 
 
-def _local_optimizer_state(
+def local_optimizer_state(
     layouts: dict[int, ParamLayout], optimizer: torch.optim.Optimizer, full_state: Mapping[str, Any], reuse: bool
 ) -> dict[str, Any]:
     """This rank's index-keyed optimizer state from a full, name-keyed one; everything is checked first.
@@ -567,7 +582,7 @@ def _local_optimizer_state(
     copy of the state while loading); otherwise, and for the rest, into new tensors. Nothing aliases
     ``full_state``, so the optimizer never writes into it (an ``mmap``'d file stays as it was).
     """
-    params, sources, entries = _check_optimizer_state(layouts, optimizer, full_state)
+    params, sources, entries = check_optimizer_state(layouts, optimizer, full_state)
     saved_groups = full_state["param_groups"]
 
     state = {}
