@@ -11,6 +11,7 @@ from ignite_zero.adapters import (
 )
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, CollectiveTimeoutError, RankFailureError
 from ignite_zero.checkpoint import Checkpoint, ModelCheckpoint
+from ignite_zero.exporting import export
 from ignite_zero.handlers import ConsolidateZeROHandler, SaveOnSignal
 from ignite_zero.integrity import IntegrityError, verify_file
 from ignite_zero.latest import find_latest
@@ -37,6 +38,7 @@ __all__ = [
     "ShardedState",
     "ZeROState",
     "__version__",
+    "export",
     "find_latest",
     "verify_file",
 ]

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ignite_zero import integrity, sharded, tree
 from ignite_zero.adapters.zero import as_saved_optimizer_state
-from ignite_zero.export import DTYPES, export
+from ignite_zero.exporting import DTYPES, export
 from ignite_zero.storage.files import DiskSaver
 from ignite_zero.storage.readers import FileReader
 

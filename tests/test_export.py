@@ -14,8 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 from training import assert_state_equal, tiny_model, zero_adam
 
-from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
-from ignite_zero.export import export
+from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, export
 
 
 def _tied():
