@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ignite_zero import integrity, sharded, tree
 from ignite_zero.adapters.zero import as_saved_optimizer_state
 from ignite_zero.exporting import DTYPES, export
+from ignite_zero.storage.base import local_path
 from ignite_zero.storage.files import DiskSaver
 from ignite_zero.storage.readers import FileReader
 
@@ -216,7 +217,7 @@ def _parser() -> argparse.ArgumentParser:
         description="List the objects, tensors, shapes, dtypes and sizes of a checkpoint file or sharded "
         "checkpoint directory, with the world size and the torch version it was saved with.",
     )
-    inspect.add_argument("path", type=Path, help="checkpoint file, or sharded checkpoint directory")
+    inspect.add_argument("path", type=_place, help="checkpoint file, or sharded checkpoint directory")
     verify = commands.add_parser(
         "verify",
         help="check a checkpoint against its checksums; exit 1 if it is corrupt, truncated or incomplete",
@@ -224,7 +225,7 @@ def _parser() -> argparse.ArgumentParser:
         "manifest. Exit status: 0 when it matches, 1 when it is corrupt, truncated or incomplete, 2 when it "
         "carries nothing to check against.",
     )
-    verify.add_argument("path", type=Path, help="checkpoint file, or sharded checkpoint directory")
+    verify.add_argument("path", type=_place, help="checkpoint file, or sharded checkpoint directory")
     consolidate = commands.add_parser(
         "consolidate",
         help="turn a sharded checkpoint directory into one file that loads anywhere",
@@ -232,8 +233,8 @@ def _parser() -> argparse.ArgumentParser:
         "Checkpoint.load_objects reads on any number of ranks or in one process. Holds the whole state in "
         "memory; never overwrites.",
     )
-    consolidate.add_argument("source", type=Path, help="sharded checkpoint directory (.dcp)")
-    consolidate.add_argument("target", type=Path, help="checkpoint file to write; must not exist")
+    consolidate.add_argument("source", type=_place, help="sharded checkpoint directory (.dcp)")
+    consolidate.add_argument("target", type=_place, help="checkpoint file to write; must not exist")
     export = commands.add_parser(
         "export",
         help="write a model's weights as Hugging Face-style safetensors, tensor by tensor",
@@ -241,8 +242,8 @@ def _parser() -> argparse.ArgumentParser:
         "model.safetensors, or shards and model.safetensors.index.json. Memory holds one tensor at a time; never "
         "overwrites.",
     )
-    export.add_argument("source", type=Path, help="checkpoint file, or sharded checkpoint directory")
-    export.add_argument("target", type=Path, help="directory to write; must not exist")
+    export.add_argument("source", type=_place, help="checkpoint file, or sharded checkpoint directory")
+    export.add_argument("target", type=_place, help="directory to write; must not exist")
     export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
     export.add_argument("--only", default="model", help="the object to export (default: model)")
     export.add_argument("--dtype", choices=sorted(DTYPES), help="convert floating-point weights")
@@ -282,6 +283,13 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     elapsed = time.perf_counter() - started
     print(f"{args.target}: {len(files)} files, {_size(total)} from {args.source} in {elapsed:.1f} s", file=out)
     return 0
+
+
+def _place(text: str) -> Path:
+    try:
+        return local_path(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
 from ignite_zero.integrity import IntegrityError
+from ignite_zero.storage.base import local_path
 from ignite_zero.storage.readers import reader_for
 
 __all__ = ["find_latest"]
@@ -53,12 +54,13 @@ def find_latest(
 
     .. versionadded:: 0.2.0
     """
+    directory = local_path(place)  # a URL is refused alike on every rank, before any round
     hosts = settle(None, what="search for the latest checkpoint", timeout=sync_timeout, payload=socket.gethostname())
     rank, _ = rank_and_world()
     found, failure = None, None
     if hosts.index(hosts[rank]) == rank:  # the first rank of its host checks
         try:
-            found = _newest_valid(Path(place), filename_prefix)
+            found = _newest_valid(directory, filename_prefix)
         except Exception as error:
             failure = error
     answers = settle(failure, what="search for the latest checkpoint (results)", timeout=sync_timeout, payload=found)

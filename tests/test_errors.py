@@ -8,7 +8,15 @@ from ignite.handlers import DiskSaver as IgniteDiskSaver
 from launcher import run_ranks
 from training import tiny_model, zero_adam
 
-from ignite_zero import Checkpoint, ConsolidateZeROHandler, DiskSaver, ModelCheckpoint, RankFailureError, ZeROState
+from ignite_zero import (
+    Checkpoint,
+    ConsolidateZeROHandler,
+    DiskSaver,
+    ModelCheckpoint,
+    RankFailureError,
+    ZeROState,
+    find_latest,
+)
 
 
 def test_negative_recipient(tmp_path):
@@ -147,3 +155,18 @@ def test_adapter_for_another_recipient(tmp_path):
     optimizer = object.__new__(_Positional)
     with pytest.raises(ValueError, match="sends its state to rank 1, but the checkpoint is consolidated on rank 0"):
         Checkpoint({"optimizer": ZeROState(optimizer, recipient_rank=1)}, tmp_path)(Engine(lambda e, b: None))
+
+
+def test_urls_are_refused_clearly_instead_of_becoming_local_directories(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for make in (
+        lambda: DiskSaver("s3://bucket/run"),
+        lambda: Checkpoint({"model": tiny_model()}, "gs://bucket/run"),
+        lambda: Checkpoint.load_objects({"model": tiny_model()}, "s3://bucket/run/checkpoint_3.pt"),
+        lambda: find_latest("s3://bucket/run"),
+    ):
+        with pytest.raises(ValueError, match=r"is a URL: ignite_zero reads and writes checkpoints in local .* Mount"):
+            make()
+    assert list(tmp_path.iterdir()) == []  # no directory named "s3:"
+    saver = DiskSaver(f"file://{tmp_path}/run")  # a file URL is a local path
+    assert saver.dirname == tmp_path / "run"

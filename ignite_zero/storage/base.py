@@ -9,6 +9,7 @@ subclassing :class:`Saver`; ``checkpoint.py`` knows no concrete one.
 
 from __future__ import annotations
 
+import re
 from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,7 +20,28 @@ from ignite.handlers.checkpoint import BaseSaveHandler
 
 from ignite_zero.agreement import rank_and_world
 
-__all__ = ["SaveRequest", "Saver"]
+__all__ = ["SaveRequest", "Saver", "local_path"]
+
+# A URL's scheme: `s3://`, `gs://`, `memory://`...
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_path(place: str | Path) -> Path:
+    """``place`` as a local path (``file://`` URLs included, ``~`` expanded).
+
+    Raises:
+        ValueError: ``place`` is a URL of another scheme (``s3://...``), which would otherwise become a local
+            directory named after the scheme.
+    """
+    text = str(place)
+    if text.startswith("file://"):
+        return Path(text[len("file://") :]).expanduser()
+    if _SCHEME.match(text):
+        raise ValueError(
+            f"{text} is a URL: ignite_zero reads and writes checkpoints in local (or mounted, shared) directories "
+            "only, so far. Mount the bucket (e.g. with s3fs-fuse or a CSI driver) and pass its path."
+        )
+    return Path(place).expanduser()
 
 
 @dataclass(frozen=True)

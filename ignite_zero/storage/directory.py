@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ignite_zero import tree
 from ignite_zero.agreement import rank_and_world
-from ignite_zero.storage.base import Saver
+from ignite_zero.storage.base import Saver, local_path
 
 __all__ = [
     "TEMPORARY",
@@ -56,7 +56,7 @@ class DirectorySaver(Saver):
     def __init__(self, dirname: str | Path, create_dir: bool, require_empty: bool, save_on_rank: int | None) -> None:
         if save_on_rank is not None and (not isinstance(save_on_rank, int) or save_on_rank < 0):
             raise ValueError(f"Argument `save_on_rank` should be a non-negative integer, got {save_on_rank!r}")
-        self.dirname = Path(dirname).expanduser()
+        self.dirname = local_path(dirname)
         self._create_dir = create_dir
         self._require_empty = require_empty
         self._rank_given = save_on_rank is not None

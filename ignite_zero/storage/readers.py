@@ -23,6 +23,7 @@ from ignite_zero import integrity, sharded, tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.adapters.zero import as_saved_optimizer_state
 from ignite_zero.agreement import rank_and_world
+from ignite_zero.storage.base import local_path
 
 __all__ = ["DirectoryReader", "FileReader", "Filled", "Reader", "entries_of", "reader_for"]
 
@@ -146,7 +147,7 @@ class DirectoryReader(Reader):
 
 def reader_for(place: str | Path) -> Reader:
     """The reader of the checkpoint at ``place``: a directory is a sharded checkpoint, anything else a file."""
-    path = Path(place)
+    path = local_path(place)
     return DirectoryReader(path) if path.is_dir() else FileReader(path)
 
 
