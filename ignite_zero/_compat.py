@@ -14,6 +14,10 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
+# DCP's writer and reader of fsspec URLs: torch 2.6 to 2.14 do not re-export them from torch.distributed.checkpoint.
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as DcpFsspecReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as DcpFsspecWriter
+
 __all__ = [
     "MIN_TORCH_VERSION",
     "TORCH_VERSION",
@@ -24,6 +28,10 @@ __all__ = [
     "default_store",
     "fairscale_oss_class",
     "serialization_crc32",
+    "DcpFsspecReader",
+    "DcpFsspecWriter",
+    "dcp_file_system",
+    "storage_offset_in_file",
     "set_dcp_file_system",
     "sharded_optimizer_kind",
     "zero_awaits_ddp",
@@ -124,16 +132,38 @@ def dcp_host_copies() -> tuple[Any, Any]:
     return _create_cpu_state_dict, _copy_state_dict
 
 
-def set_dcp_file_system(writer: Any, file_system: Any) -> None:
-    """Make DCP's ``FileSystemWriter`` write through ``file_system`` (a ``FileSystem`` that checksums what passes).
+def storage_offset_in_file(storage: torch.UntypedStorage) -> int:
+    """Where the bytes of a storage lie in the checkpoint file it was loaded from with ``map_location="meta"``.
 
-    The writer keeps its file system in the attribute ``fs`` (torch 2.6 to 2.14) and offers no argument for it.
+    ``torch.load`` records it on each meta storage as ``_checkpoint_offset`` (torch 2.6 to 2.14), the offset of the
+    record's data in the zip archive; there is no public accessor.
+    """
+    offset = getattr(storage, "_checkpoint_offset", None)
+    if offset is None:
+        raise RuntimeError(
+            f"torch {torch.__version__} does not record where a storage lies in its file: ignite_zero cannot read "
+            "checkpoint files in parts from an object store with this torch; use the versions it was tested with"
+        )
+    return int(offset)
+
+
+def dcp_file_system(writer: Any) -> Any:
+    """The file system DCP's ``FileSystemWriter`` (or ``FsspecWriter``) writes through.
+
+    The writer keeps it in the attribute ``fs`` (torch 2.6 to 2.14) and offers no argument for it.
     """
     if not hasattr(writer, "fs"):
         raise RuntimeError(
             f"torch {torch.__version__}'s FileSystemWriter keeps no `fs`: ignite_zero cannot checksum sharded saves "
             "with this torch; use the versions it was tested with (see README, Compatibility)"
         )
+    return writer.fs
+
+
+def set_dcp_file_system(writer: Any, file_system: Any) -> None:
+    """Make DCP's writer write through ``file_system`` (one that checksums what passes): see
+    :func:`dcp_file_system`."""
+    dcp_file_system(writer)
     writer.fs = file_system
 
 

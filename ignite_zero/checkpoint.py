@@ -426,10 +426,14 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                 f"{type(self.save_handler).__name__} has none; use a DiskSaver or ShardedSaver, or find_latest."
             )
         self.wait()
-        found = find_latest(directory, filename_prefix=self.filename_prefix, sync_timeout=self.sync_timeout)
+        options = self.saver.storage_options
+        found = find_latest(
+            directory, filename_prefix=self.filename_prefix, storage_options=options, sync_timeout=self.sync_timeout
+        )
         if found is None:
             return None
         kwargs.setdefault("sync_timeout", self.sync_timeout)
+        kwargs.setdefault("storage_options", options)
         type(self).load_objects(to_load=to_load, checkpoint=found, **kwargs)
         self._retain(self._retention_until(Path(found).name))
         return found
@@ -485,7 +489,8 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             score=filename_components.get("score", None),
             global_step=global_step,
         )
-        type(self).load_objects(to_load=to_load, checkpoint=dirname / filename, **(load_kwargs or {}))
+        load_kwargs = {"storage_options": self.saver.storage_options, **(load_kwargs or {})}
+        type(self).load_objects(to_load=to_load, checkpoint=self.saver.location(filename), **load_kwargs)
 
     @staticmethod
     def load_objects(
@@ -494,6 +499,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         *,
         weights_only: bool = True,
         sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
+        storage_options: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         """Restore the objects of ``to_load`` from ``checkpoint``, saved on any number of ranks.
@@ -507,11 +513,15 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
 
         Args:
             to_load: objects to restore, e.g. ``{"model": model, "optimizer": optimizer}``.
-            checkpoint: path of a checkpoint file, or an already loaded checkpoint dictionary. With a single
-                object in ``to_load``, the checkpoint may be that object's state dict itself.
+            checkpoint: path or URL of a checkpoint file or sharded checkpoint directory, or an already loaded
+                checkpoint dictionary. With a single object in ``to_load``, the checkpoint may be that object's
+                state dict itself. From an object store, each rank reads only the tensors it needs, with ranged
+                reads.
             weights_only: load the file with ``torch.load(..., weights_only=True)`` (default). Pass False only
                 for trusted files that hold arbitrary Python objects.
             sync_timeout: seconds every rank waits for the others to reach the same load.
+            storage_options: options of the URL's file system (for S3: ``endpoint_url``, ``key``, ``secret``...),
+                as fsspec takes them.
             kwargs: keyword arguments of ``nn.Module.load_state_dict``, e.g. ``strict=False``.
 
         Raises:
@@ -523,7 +533,14 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         if not isinstance(to_load, Mapping):
             raise TypeError(f"Argument `to_load` should be a dictionary, but given {type(to_load)}")
         _check_objects(to_load, "load_state_dict")
-        restore(to_load, checkpoint, weights_only=weights_only, sync_timeout=sync_timeout, kwargs=kwargs)
+        restore(
+            to_load,
+            checkpoint,
+            weights_only=weights_only,
+            sync_timeout=sync_timeout,
+            storage_options=storage_options,
+            kwargs=kwargs,
+        )
 
 
 class ModelCheckpoint(Checkpoint):

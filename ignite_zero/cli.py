@@ -3,12 +3,14 @@
 ignite-zero inspect ckpt/checkpoint_3.pt          # a file, or a sharded directory (.dcp)
 ignite-zero verify ckpt/checkpoint_3.dcp
 ignite-zero consolidate ckpt/checkpoint_3.dcp checkpoint_3.pt
+ignite-zero verify s3://bucket/run/checkpoint_3.pt --storage-option endpoint_url=http://127.0.0.1:9000
 python -m ignite_zero verify ckpt/checkpoint_3.pt
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import warnings
@@ -22,9 +24,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ignite_zero import integrity, sharded, tree
 from ignite_zero.adapters.zero import as_saved_optimizer_state
 from ignite_zero.exporting import DTYPES, export
-from ignite_zero.storage.base import local_path
 from ignite_zero.storage.files import DiskSaver
-from ignite_zero.storage.readers import FileReader
+from ignite_zero.storage.places import is_url, split
+from ignite_zero.storage.readers import DirectoryReader, FileReader, reader_for
 
 __all__ = ["main"]
 
@@ -67,10 +69,10 @@ def _leaves(value: Any) -> list[tuple[str, Any]]:
     return [(".".join(map(str, path)), leaf) for path, leaf in tree.leaves(value, is_leaf=whole)]
 
 
-def _inspect_file(path: Path, out: TextIO) -> int:
-    trailer = integrity.read_trailer(path)
-    state = FileReader(path).load(weights_only=True)
-    print(f"{path}: {_size(path.stat().st_size)}, {_origin(trailer, 'integrity trailer')}", file=out)
+def _inspect_file(reader: FileReader, out: TextIO) -> int:
+    trailer = integrity.read_trailer(reader.stored)
+    state = reader.structure(weights_only=True)
+    print(f"{reader.path}: {_size(reader.stored.size)}, {_origin(trailer, 'integrity trailer')}", file=out)
     objects = state.items() if isinstance(state, Mapping) else [("(state)", state)]
     for name, value in objects:
         leaves = _leaves(value)
@@ -87,12 +89,13 @@ def _inspect_file(path: Path, out: TextIO) -> int:
     return 0
 
 
-def _inspect_directory(path: Path, out: TextIO) -> int:
-    manifest = sharded.read_manifest(path)
-    metadata = sharded.read_metadata(path)
-    files = sorted(p for p in path.iterdir() if p.is_file())
-    total = sum(p.stat().st_size for p in files)
-    print(f"{path}: sharded, {len(files)} files, {_size(total)}, {_origin(manifest, 'manifest')}", file=out)
+def _inspect_directory(reader: DirectoryReader, out: TextIO) -> int:
+    place = reader.place
+    manifest = sharded.read_manifest(place)
+    metadata = sharded.read_metadata(place)
+    files = [name for name, is_directory in place.entries().items() if not is_directory]
+    total = sum(place.size(name) for name in files)
+    print(f"{reader.path}: sharded, {len(files)} files, {_size(total)}, {_origin(manifest, 'manifest')}", file=out)
     by_object: dict[str, list[tuple[str, Any]]] = {}
     for name, storage in metadata.state_dict_metadata.items():
         entry_path = sharded.path_of(metadata, name)
@@ -110,34 +113,40 @@ def _inspect_directory(path: Path, out: TextIO) -> int:
     return 0
 
 
-def _verify(path: Path, out: TextIO) -> int:
+def _verify(reader: FileReader | DirectoryReader, out: TextIO) -> int:
+    path = reader.path
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a missing trailer or manifest is reported below, as the outcome
-        facts = sharded.verify(path) if path.is_dir() else integrity.verify_file(path)
+        if isinstance(reader, DirectoryReader):
+            facts = sharded.verify(reader.place)
+        else:
+            facts = integrity.verify_file(reader.stored)  # every record, wherever the file lies
     if facts is None:
-        what = "manifest" if path.is_dir() else "integrity trailer"
+        what = "manifest" if isinstance(reader, DirectoryReader) else "integrity trailer"
         why = "written by another tool"
-        if path.is_file() and integrity.is_legacy_format(path):
+        if isinstance(reader, FileReader) and integrity.is_legacy_format(reader.stored):
             why = "torch's legacy format, `_use_new_zipfile_serialization=False`, has no room for one"
         print(f"{path}: no {what} to verify against ({why})", file=out)
         print(f"ignite-zero: warning: {path} loads, but without verification", file=sys.stderr)
         return 2
-    if path.is_dir():
+    if isinstance(reader, DirectoryReader):
         print(f"{path}: OK ({len(facts['files'])} files, sizes and CRC-32 match the manifest)", file=out)
     else:
-        size = _size(path.stat().st_size)
+        size = _size(reader.stored.size)
         print(f"{path}: OK ({size}, CRC-32 of every record and of the directory match)", file=out)
     return 0
 
 
-def _consolidate(source: Path, target: Path, out: TextIO) -> int:
+def _consolidate(reader: FileReader | DirectoryReader, target: str, options: Mapping[str, Any], out: TextIO) -> int:
     """One file from a sharded checkpoint: what ``Checkpoint.load_objects`` reads anywhere, even without ranks."""
-    if target.exists():
+    directory, name = split(target, options if is_url(target) else None)
+    if directory.is_file(name) or directory.is_dir(name):
         print(f"ignite-zero: {target} exists; consolidate never overwrites: choose another name", file=sys.stderr)
         return 1
-    if not source.is_dir():
-        print(f"ignite-zero: {source} is not a sharded checkpoint directory", file=sys.stderr)
+    if not isinstance(reader, DirectoryReader):
+        print(f"ignite-zero: {reader.path} is not a sharded checkpoint directory", file=sys.stderr)
         return 1
+    source = reader.place
     started = time.perf_counter()
     sharded.verify(source)
     metadata = sharded.read_metadata(source)
@@ -159,9 +168,10 @@ def _consolidate(source: Path, target: Path, out: TextIO) -> int:
         done += sum(sizes[name] for name in batch)
         progress.update(done, total)
     state = {key: as_saved_optimizer_state(value) for key, value in sharded.nest(metadata, flat).items()}
-    DiskSaver(target.parent, require_empty=False, save_on_rank=0)(state, target.name)
+    DiskSaver(directory, require_empty=False, save_on_rank=0)(state, name)
     progress.close()
-    print(f"{target}: {_size(target.stat().st_size)} from {source} in {time.perf_counter() - started:.1f} s", file=out)
+    elapsed = time.perf_counter() - started
+    print(f"{target}: {_size(directory.size(name))} from {reader.path} in {elapsed:.1f} s", file=out)
     return 0
 
 
@@ -211,30 +221,44 @@ def _parser() -> argparse.ArgumentParser:
         prog="ignite-zero", description="Inspect, verify, consolidate and export ignite_zero checkpoints."
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    storage = argparse.ArgumentParser(add_help=False)
+    storage.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        type=_storage_option,
+        help="an option of a URL's file system, as fsspec takes it (for S3: endpoint_url=..., key=..., "
+        "secret=...); repeat for several. VALUE is read as JSON where it parses (true, 3), else as text. The "
+        "environment supplies the rest, as for any fsspec client (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).",
+    )
     inspect = commands.add_parser(
         "inspect",
+        parents=[storage],
         help="list the objects, tensors, shapes, dtypes and sizes of a checkpoint, and how it was written",
         description="List the objects, tensors, shapes, dtypes and sizes of a checkpoint file or sharded "
         "checkpoint directory, with the world size and the torch version it was saved with.",
     )
-    inspect.add_argument("path", type=_place, help="checkpoint file, or sharded checkpoint directory")
+    inspect.add_argument("path", type=_where, help="checkpoint file, or sharded checkpoint directory: a path or a URL")
     verify = commands.add_parser(
         "verify",
+        parents=[storage],
         help="check a checkpoint against its checksums; exit 1 if it is corrupt, truncated or incomplete",
         description="Check a checkpoint file against its integrity trailer, or a sharded directory against its "
         "manifest. Exit status: 0 when it matches, 1 when it is corrupt, truncated or incomplete, 2 when it "
         "carries nothing to check against.",
     )
-    verify.add_argument("path", type=_place, help="checkpoint file, or sharded checkpoint directory")
+    verify.add_argument("path", type=_where, help="checkpoint file, or sharded checkpoint directory: a path or a URL")
     consolidate = commands.add_parser(
         "consolidate",
+        parents=[storage],
         help="turn a sharded checkpoint directory into one file that loads anywhere",
         description="Read a sharded checkpoint directory whole and write it as one checkpoint file, which "
         "Checkpoint.load_objects reads on any number of ranks or in one process. Holds the whole state in "
         "memory; never overwrites.",
     )
-    consolidate.add_argument("source", type=_place, help="sharded checkpoint directory (.dcp)")
-    consolidate.add_argument("target", type=_place, help="checkpoint file to write; must not exist")
+    consolidate.add_argument("source", type=_where, help="sharded checkpoint directory (.dcp): a path or a URL")
+    consolidate.add_argument("target", type=_where, help="checkpoint file to write (a path or a URL); must not exist")
     export = commands.add_parser(
         "export",
         help="write a model's weights as Hugging Face-style safetensors, tensor by tensor",
@@ -242,8 +266,8 @@ def _parser() -> argparse.ArgumentParser:
         "model.safetensors, or shards and model.safetensors.index.json. Memory holds one tensor at a time; never "
         "overwrites.",
     )
-    export.add_argument("source", type=_place, help="checkpoint file, or sharded checkpoint directory")
-    export.add_argument("target", type=_place, help="directory to write; must not exist")
+    export.add_argument("source", type=_where, help="checkpoint file, or sharded checkpoint directory: a path or a URL")
+    export.add_argument("target", type=_where, help="directory to write; must not exist")
     export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
     export.add_argument("--only", default="model", help="the object to export (default: model)")
     export.add_argument("--dtype", choices=sorted(DTYPES), help="convert floating-point weights")
@@ -264,7 +288,12 @@ def _byte_size(text: str) -> int:
 
 
 def _export(args: argparse.Namespace, out: TextIO) -> int:
-    if args.target.exists():
+    if is_url(args.source) or is_url(args.target):
+        print(
+            "ignite-zero: export reads and writes local paths only; consolidate to a local file first", file=sys.stderr
+        )
+        return 1
+    if Path(args.target).exists():
         print(f"ignite-zero: {args.target} exists; export never overwrites: choose another name", file=sys.stderr)
         return 1
     started = time.perf_counter()
@@ -285,28 +314,43 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _place(text: str) -> Path:
+def _where(text: str) -> str:
+    """A URL as given, or a local path with ``~`` expanded."""
+    return text if is_url(text) else str(Path(text.removeprefix("file://")).expanduser())
+
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    key, equals, value = text.partition("=")
+    if not equals or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:9000")
     try:
-        return local_path(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     args = _parser().parse_args(argv)
-    path = args.source if args.command in ("consolidate", "export") else args.path
-    if not path.exists():
-        print(f"ignite-zero: {path} does not exist", file=sys.stderr)
+    where = args.source if args.command in ("consolidate", "export") else args.path
+    options = dict(getattr(args, "storage_option", []))
+    if options and not is_url(where):
+        print(f"ignite-zero: --storage-option is for URLs, and {where} is a local path", file=sys.stderr)
         return 1
     try:
-        if args.command == "inspect":
-            return _inspect_directory(path, sys.stdout) if path.is_dir() else _inspect_file(path, sys.stdout)
-        if args.command == "verify":
-            return _verify(path, sys.stdout)
         if args.command == "export":
             return _export(args, sys.stdout)
-        return _consolidate(args.source, args.target, sys.stdout)
-    except (integrity.IntegrityError, KeyError, TypeError, ValueError) as error:
+        reader = reader_for(where, options or None)
+        if isinstance(reader, FileReader) and not reader.place.is_file(reader.name):
+            print(f"ignite-zero: {where} does not exist", file=sys.stderr)
+            return 1
+        if args.command == "inspect":
+            if isinstance(reader, DirectoryReader):
+                return _inspect_directory(reader, sys.stdout)
+            return _inspect_file(reader, sys.stdout)
+        if args.command == "verify":
+            return _verify(reader, sys.stdout)
+        return _consolidate(reader, args.target, options, sys.stdout)
+    except (integrity.IntegrityError, KeyError, TypeError, ValueError, OSError) as error:
         print(f"ignite-zero: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
         return 1

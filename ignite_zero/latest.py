@@ -4,22 +4,25 @@ Newest means: when every candidate's name ends with a number, as the default fil
 :class:`~ignite_zero.Checkpoint` do (``checkpoint_300.pt``, ``best_model_300_acc=0.9000.pt``: the global step or
 iteration), the highest number, ties broken by modification time; otherwise the latest modification time.
 Candidates are checkpoint files (``.pt``) and sharded checkpoint directories (``.dcp``), hidden temporaries of
-interrupted saves aside. Each is verified in full, newest first; a truncated, corrupt or uncommitted one is skipped
+interrupted saves aside, in a local directory or under a URL (on an object store, a sharded checkpoint without its
+manifest is uncommitted). Each is verified in full, newest first; a truncated, corrupt or uncommitted one is skipped
 with a warning in the log that says why.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import socket
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
+from ignite_zero import sharded
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
 from ignite_zero.integrity import IntegrityError
-from ignite_zero.storage.base import local_path
-from ignite_zero.storage.readers import reader_for
+from ignite_zero.storage.places import Place, place_of
+from ignite_zero.storage.readers import DirectoryReader, FileReader
 
 __all__ = ["find_latest"]
 
@@ -30,17 +33,22 @@ _NUMBER = re.compile(r"_(\d+)(?:_[^_=]+=[^_=]+)?\.(?:pt|dcp)$")
 
 
 def find_latest(
-    place: str | Path, *, filename_prefix: str = "", sync_timeout: float = DEFAULT_SYNC_TIMEOUT
+    place: str | os.PathLike,
+    *,
+    filename_prefix: str = "",
+    storage_options: Mapping[str, Any] | None = None,
+    sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
 ) -> str | None:
-    """The path of the newest valid checkpoint in the directory ``place``, ``None`` if there is none.
+    """The path (or URL) of the newest valid checkpoint in the directory ``place``, ``None`` if there is none.
 
     With a process group this is a collective: call it on every rank. One rank per host checks the candidates (the
     others would read the same files), and every rank gets the same answer: the newest that any host found.
 
     Args:
-        place: the directory the checkpoints were saved in.
+        place: the directory the checkpoints were saved in: a path, or an fsspec URL (``s3://bucket/run``).
         filename_prefix: only names that start with it, as :class:`~ignite_zero.Checkpoint`'s
             ``filename_prefix`` makes them (``"{filename_prefix}_..."``).
+        storage_options: options of the URL's file system (for S3: ``endpoint_url``, ``key``, ``secret``...).
         sync_timeout: seconds every rank waits for the others.
 
     Examples:
@@ -53,12 +61,15 @@ def find_latest(
                 Checkpoint.load_objects(to_load=to_save, checkpoint=path)
 
     .. versionadded:: 0.2.0
+    .. versionchanged:: 0.2.0
+        ``place`` may be an fsspec URL, with ``storage_options``.
     """
-    directory = local_path(place)  # a URL is refused alike on every rank, before any round
+    directory = place_of(place, storage_options)  # a bad URL is refused alike on every rank, before any round
     hosts = settle(None, what="search for the latest checkpoint", timeout=sync_timeout, payload=socket.gethostname())
     rank, _ = rank_and_world()
     found, failure = None, None
-    if hosts.index(hosts[rank]) == rank:  # the first rank of its host checks
+    # the first rank of each host checks; one rank alone where every rank sees the same store
+    if (rank == 0) if directory.remote else hosts.index(hosts[rank]) == rank:
         try:
             found = _newest_valid(directory, filename_prefix)
         except Exception as error:
@@ -68,33 +79,39 @@ def find_latest(
     return None if not candidates else str(max(candidates, key=lambda item: item[0])[1])
 
 
-def _newest_valid(place: Path, prefix: str) -> tuple[Any, Path] | None:
-    """``(sort key, path)`` of the newest candidate that verifies."""
-    if not place.is_dir():
-        return None
-    candidates = [path for path in place.iterdir() if _is_candidate(path, prefix)]
-    numbers = {path: _NUMBER.search(path.name) for path in candidates}
+def _newest_valid(place: Place, prefix: str) -> tuple[Any, str] | None:
+    """``(sort key, location)`` of the newest candidate that verifies."""
+    candidates = {
+        name: is_directory
+        for name, is_directory in place.entries().items()
+        if _is_candidate(name, is_directory, prefix)
+    }
+    numbers = {name: _NUMBER.search(name) for name in candidates}
     by_number = all(numbers.values())
 
-    def key(path: Path) -> tuple[Any, ...]:
-        mtime = path.stat().st_mtime
-        match = numbers[path]
-        return (int(match.group(1)), mtime) if by_number and match is not None else (mtime,)
+    def key(name: str) -> tuple[Any, ...]:
+        try:  # a prefix of an object store has no time of its own: its manifest, written last, has
+            modified = place.modified(f"{name}/{sharded.MANIFEST}" if candidates[name] and place.remote else name)
+        except FileNotFoundError:  # uncommitted, or removed meanwhile: verification says so below
+            modified = 0.0
+        match = numbers[name]
+        return (int(match.group(1)), modified) if by_number and match is not None else (modified,)
 
-    for path in sorted(candidates, key=key, reverse=True):
+    for name in sorted(candidates, key=key, reverse=True):
+        location = place.location(name)
         try:
-            reader = reader_for(path)
+            reader = DirectoryReader(place.child(name)) if candidates[name] else FileReader(place, name)
             if reader.identity() is None:
-                raise IntegrityError(f"{path} is no longer there")
+                raise IntegrityError(f"{location} is no longer there")
             reader.verify()
         except (IntegrityError, OSError, ValueError) as error:
-            logger.warning("Skipping checkpoint %s: %s", path, error)
+            logger.warning("Skipping checkpoint %s: %s", location, error)
             continue
-        return key(path), path
+        return key(name), str(location)
     return None
 
 
-def _is_candidate(path: Path, prefix: str) -> bool:
-    if path.name.startswith(".") or (prefix and not path.name.startswith(f"{prefix}_")):
+def _is_candidate(name: str, is_directory: bool, prefix: str) -> bool:
+    if name.startswith(".") or (prefix and not name.startswith(f"{prefix}_")):
         return False
-    return (path.suffix == ".pt" and path.is_file()) or (path.suffix == ".dcp" and path.is_dir())
+    return (name.endswith(".pt") and not is_directory) or (name.endswith(".dcp") and is_directory)

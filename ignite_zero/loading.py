@@ -45,11 +45,17 @@ __all__ = ["restore"]
 
 
 def restore(
-    to_load: Mapping, checkpoint: str | Path | Mapping, *, weights_only: bool, sync_timeout: float, kwargs: Mapping
+    to_load: Mapping,
+    checkpoint: str | Path | Mapping,
+    *,
+    weights_only: bool,
+    sync_timeout: float,
+    storage_options: Mapping[str, Any] | None,
+    kwargs: Mapping,
 ) -> None:
     """Restore ``to_load`` from ``checkpoint``; see :meth:`ignite_zero.Checkpoint.load_objects`."""
     objects = adapt(to_load, 0)
-    reader = None if isinstance(checkpoint, Mapping) else reader_for(checkpoint)
+    reader = None if isinstance(checkpoint, Mapping) else reader_for(checkpoint, storage_options)
     rank, world_size = rank_and_world()
     if world_size == 1 or not any(isinstance(obj, ShardedState) for _, obj in tree.leaves(objects)):
         local = entries_of(objects, checkpoint) if reader is None else _verified(reader).entries(objects, weights_only)

@@ -19,24 +19,26 @@ import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from zlib_ng import zlib_ng
 
 from ignite_zero import _compat, tree
 from ignite_zero.integrity import IntegrityError
+from ignite_zero.storage.places import Place, RemotePlace, place_of
 
 __all__ = [
     "MANIFEST",
     "ChecksummingWriter",
+    "UNCOMMITTED",
     "crc32",
+    "is_committed",
     "is_sharded_checkpoint",
+    "writer_for",
     "load",
     "name_of",
     "nest",
@@ -52,6 +54,9 @@ __all__ = [
 
 #: The manifest that seals a sharded checkpoint directory: each file's size and CRC-32.
 MANIFEST = "ignite_zero.json"
+#: On an object store, where ranks write into the checkpoint's own prefix: the mark of a save not yet sealed, which
+#: tells the next save that the prefix is an interrupted save of ours (and not another tool's checkpoint).
+UNCOMMITTED = ".ignite_zero-uncommitted"
 _METADATA = ".metadata"
 _FORMAT = "ignite_zero-sharded"
 _READ_CHUNK = 1 << 20
@@ -104,51 +109,59 @@ class _ChecksummingStream(io.RawIOBase):
         return self._stream.fileno()
 
 
-class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, recording the size and CRC-32 of every file written through it."""
+class _ChecksummingFileSystem:
+    """The file system of a DCP writer, recording the size and CRC-32 of every file written through it.
 
-    def __init__(self) -> None:
-        super().__init__()
+    Args:
+        inner: the writer's own file system (local, or fsspec's), which does the rest.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
         self.written: dict[str, tuple[int, int]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        with super().create_stream(path, mode) as stream:
+        with self._inner.create_stream(path, mode) as stream:
             if "w" not in mode:
                 yield stream
                 return
             checksumming = _ChecksummingStream(stream)
             yield checksumming
-        self.written[Path(path).name] = (checksumming.size, checksumming.crc)
+        self.written[_base_name(path)] = (checksumming.size, checksumming.crc)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        super().rename(path, new_path)
-        record = self.written.pop(Path(path).name, None)
+        self._inner.rename(path, new_path)
+        record = self.written.pop(_base_name(path), None)
         if record is not None:  # `.metadata` is written as `.metadata.tmp`, then renamed
-            self.written[Path(new_path).name] = record
+            self.written[_base_name(new_path)] = record
+
+    def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str | os.PathLike:
+        if getattr(self._inner, "fs", None) is not None:
+            # fsspec's would make a new client from the URL alone (on `reset`), without the storage options: one
+            # that may talk to another endpoint than the one configured. The client stays.
+            return path
+        return self._inner.init_path(path, **kwargs)
 
 
-class ChecksummingWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter``, also recording each file it writes: :attr:`written` maps its name to its size
-    and CRC-32.
+def _base_name(path: str | os.PathLike) -> str:
+    return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
 
-    Args:
-        path: the checkpoint directory.
-        thread_count: threads writing this rank's files.
-        cache_staged_state_dict: keep the host copies of an asynchronous save for the next one.
-    """
 
-    def __init__(self, path: str | os.PathLike, thread_count: int = 1, cache_staged_state_dict: bool = False) -> None:
-        super().__init__(path, thread_count=thread_count, cache_staged_state_dict=cache_staged_state_dict)
-        self._files = _ChecksummingFileSystem()
-        _compat.set_dcp_file_system(self, self._files)
-        self._copies: Any = None
+class _Staging:
+    """Host copies of an asynchronous save, kept and reused from one save to the next when caching."""
+
+    cache_staged_state_dict: bool
+    _copies: Any = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A host copy of ``state_dict`` for an asynchronous save; kept and reused when caching, pinned only where
         an accelerator can pin it."""
         if not self.cache_staged_state_dict:
-            return super().stage(state_dict)
+            return super().stage(state_dict)  # type: ignore[misc]
         create, copy = _compat.dcp_host_copies()
         if self._copies is not None:
             try:
@@ -160,15 +173,71 @@ class ChecksummingWriter(FileSystemWriter):
 
     @property
     def written(self) -> dict[str, tuple[int, int]]:
-        return self._files.written
+        """Each file written: its name, size and CRC-32."""
+        return self._files.written  # type: ignore[attr-defined]
 
 
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a complete DCP checkpoint directory (its ``.metadata`` written)."""
-    return (Path(path) / _METADATA).is_file()
+class ChecksummingWriter(_Staging, FileSystemWriter):
+    """DCP's ``FileSystemWriter``, also recording each file it writes: :attr:`written` maps its name to its size
+    and CRC-32.
+
+    Args:
+        path: the checkpoint directory.
+        thread_count: threads writing this rank's files.
+        cache_staged_state_dict: keep the host copies of an asynchronous save for the next one.
+    """
+
+    def __init__(self, path: str | os.PathLike, thread_count: int = 1, cache_staged_state_dict: bool = False) -> None:
+        super().__init__(path, thread_count=thread_count, cache_staged_state_dict=cache_staged_state_dict)
+        self._files = _ChecksummingFileSystem(_compat.dcp_file_system(self))
+        _compat.set_dcp_file_system(self, self._files)
 
 
-def seal(directory: Path, files: Mapping[str, tuple[int, int]], **facts: Any) -> None:
+class ChecksummingFsspecWriter(_Staging, _compat.DcpFsspecWriter):
+    """DCP's ``FsspecWriter`` (any fsspec URL), checksumming as :class:`ChecksummingWriter` does.
+
+    Args:
+        place: the checkpoint's prefix.
+        thread_count: threads writing this rank's files.
+        cache_staged_state_dict: keep the host copies of an asynchronous save for the next one.
+    """
+
+    def __init__(self, place: RemotePlace, thread_count: int = 1, cache_staged_state_dict: bool = False) -> None:
+        # Nothing to fsync: an object exists once its upload is complete. (DCP falls back to `os.sync()` of the
+        # whole host for streams without a file descriptor.)
+        super().__init__(place.url, thread_count=thread_count, sync_files=False, **place.storage_options)
+        self.cache_staged_state_dict = cache_staged_state_dict  # FsspecWriter takes no argument for it
+        self._files = _ChecksummingFileSystem(_compat.dcp_file_system(self))
+        _compat.set_dcp_file_system(self, self._files)
+
+
+def writer_for(place: Place, thread_count: int, cache_staged_state_dict: bool = False) -> Any:
+    """The checksumming DCP writer of the checkpoint directory ``place``."""
+    if isinstance(place, RemotePlace):
+        return ChecksummingFsspecWriter(place, thread_count, cache_staged_state_dict)
+    return ChecksummingWriter(place.location(), thread_count, cache_staged_state_dict)
+
+
+def _reader_of(place: Place) -> FileSystemReader:
+    if isinstance(place, RemotePlace):
+        return _compat.DcpFsspecReader(place.url, **place.storage_options)
+    return FileSystemReader(place.location())
+
+
+def is_sharded_checkpoint(where: str | os.PathLike | Place) -> bool:
+    """Whether ``where`` is a complete DCP checkpoint directory (its ``.metadata`` written)."""
+    return place_of(where).is_file(_METADATA)
+
+
+def is_committed(where: str | os.PathLike | Place) -> bool:
+    """Whether the sharded checkpoint at ``where`` is complete: sealed, on an object store (where its ranks write in
+    place); with its ``.metadata``, locally (where it is renamed into place once sealed, or written by another
+    tool)."""
+    place = place_of(where)
+    return place.is_file(MANIFEST) if place.remote else place.is_file(_METADATA)
+
+
+def seal(where: Place, files: Mapping[str, tuple[int, int]], **facts: Any) -> None:
     """Write the manifest of a checkpoint directory, durably: every file's size and CRC-32, and ``facts``."""
     manifest = {
         "format": _FORMAT,
@@ -176,75 +245,74 @@ def seal(directory: Path, files: Mapping[str, tuple[int, int]], **facts: Any) ->
         "files": {name: {"size": size, "crc32": crc} for name, (size, crc) in sorted(files.items())},
         **facts,
     }
-    with open(directory / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    content = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    where.write(MANIFEST, lambda f: f.write(content))
 
 
-def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
+def read_manifest(where: str | os.PathLike | Place) -> dict[str, Any] | None:
     """The manifest of a checkpoint directory, ``None`` if it has none (written by DCP directly)."""
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
+    place = place_of(where)
+    if not place.is_file(MANIFEST):
         return None
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(place.read(MANIFEST))
     except ValueError as error:
-        raise IntegrityError(f"{path} is corrupt: {error}") from error
+        raise IntegrityError(f"{place.location(MANIFEST)} is corrupt: {error}") from error
     if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
-        raise IntegrityError(f"{path} is not an ignite_zero manifest")
+        raise IntegrityError(f"{place.location(MANIFEST)} is not an ignite_zero manifest")
     return manifest
 
 
-def verify(directory: str | os.PathLike) -> dict[str, Any] | None:
+def verify(where: str | os.PathLike | Place) -> dict[str, Any] | None:
     """Check a checkpoint directory against its manifest; return the manifest.
 
     A directory without manifest (written by ``dcp.save`` directly) passes with a warning if its ``.metadata`` is
-    there.
+    there; on an object store, a prefix without manifest is an uncommitted save.
 
     Raises:
         IntegrityError: naming the directory and what differs: an incomplete directory, a missing, truncated or
             corrupt file.
     """
-    directory = Path(directory)
-    if not is_sharded_checkpoint(directory):
-        raise IntegrityError(f"{directory} is not a complete checkpoint: it has no {_METADATA} (interrupted save?)")
-    manifest = read_manifest(directory)
+    place = place_of(where)
+    if not is_committed(place):
+        missing = MANIFEST if place.remote else _METADATA
+        raise IntegrityError(f"{place} is not a complete checkpoint: it has no {missing} (interrupted save?)")
+    manifest = read_manifest(place)
     if manifest is None:
         warnings.warn(
-            f"{directory} carries no ignite_zero manifest (written by another tool); loading it without verification.",
+            f"{place} carries no ignite_zero manifest (written by another tool); loading it without verification.",
             stacklevel=3,
         )
         return None
+    present = place.entries()
     for name, expected in manifest["files"].items():
-        path = directory / name
-        if not path.is_file():
-            raise IntegrityError(f"{directory}: file {name} is missing")
-        size = path.stat().st_size
+        if name not in present or present[name]:
+            raise IntegrityError(f"{place}: file {name} is missing")
+        size = place.size(name)
         if size != expected["size"]:
-            raise IntegrityError(f"{directory}: file {name} has {size} bytes, {expected['size']} expected (truncated?)")
-        crc = _file_crc(path)
+            raise IntegrityError(f"{place}: file {name} has {size} bytes, {expected['size']} expected (truncated?)")
+        crc = _file_crc(place, name)
         if crc != expected["crc32"]:
             raise IntegrityError(
-                f"{directory}: file {name} is corrupt (CRC-32 {crc:#010x}, {expected['crc32']:#010x} expected)"
+                f"{place}: file {name} is corrupt (CRC-32 {crc:#010x}, {expected['crc32']:#010x} expected)"
             )
-    unlisted = sorted(p.name for p in directory.glob("*.distcp") if p.name not in manifest["files"])
+    unlisted = sorted(name for name in present if name.endswith(".distcp") and name not in manifest["files"])
     if unlisted:
-        raise IntegrityError(f"{directory}: files {unlisted} are not in its manifest")
+        raise IntegrityError(f"{place}: files {unlisted} are not in its manifest")
     return manifest
 
 
-def _file_crc(path: Path) -> int:
+def _file_crc(place: Place, name: str) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with place.open(name) as f:
         while chunk := f.read(_READ_CHUNK):
             crc = crc32(chunk, crc)
     return crc
 
 
-def read_metadata(directory: str | os.PathLike) -> Metadata:
+def read_metadata(where: str | os.PathLike | Place) -> Metadata:
     """DCP's metadata of a checkpoint directory: every entry's name, shape and dtype, and where it lies."""
-    return FileSystemReader(directory).read_metadata()
+    return _reader_of(place_of(where)).read_metadata()
 
 
 def path_of(metadata: Metadata, name: str) -> tuple[Any, ...]:
@@ -321,13 +389,14 @@ def share(state: Any, rank: int, world_size: int, keeper: int) -> Any:
     return tree.map_tree(deal, state, is_leaf=whole)
 
 
-def load(state: dict[str, Any], directory: str | os.PathLike) -> None:
+def load(state: dict[str, Any], where: str | os.PathLike | Place) -> None:
     """Fill ``state`` (flat template entries and nested ``DTensor`` states alike) from a checkpoint directory.
 
-    Local: every rank reads what its own template names, so ranks need no collective to load.
+    Local: every rank reads what its own template names (on an object store, with ranged reads), so ranks need no
+    collective to load.
     """
     with in_one_process():  # each rank reads its own
-        dcp.load(state, checkpoint_id=directory, no_dist=True)
+        dcp.load(state, storage_reader=_reader_of(place_of(where)), no_dist=True)
 
 
 @contextmanager

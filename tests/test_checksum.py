@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ignite_zero import sharded
+from ignite_zero.storage.places import LocalPlace
 
 # both sides of the 5 KiB above which the GIL is released, and chunks DCP writes
 SIZES = [0, 1, 3, 64, 5 * 1024, 5 * 1024 + 1, 65_537, 1 << 20, 3_000_001]
@@ -52,6 +53,5 @@ def test_stream_and_file_checksums_are_zlibs(tmp_path):
         stream.write(memoryview(chunk))
     written = target.getvalue()
     assert (stream.size, stream.crc) == (len(written), zlib.crc32(written))
-    path = tmp_path / "file"
-    path.write_bytes(written)
-    assert sharded._file_crc(path) == zlib.crc32(written)
+    (tmp_path / "file").write_bytes(written)
+    assert sharded._file_crc(LocalPlace(tmp_path), "file") == zlib.crc32(written)

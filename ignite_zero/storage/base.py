@@ -9,7 +9,6 @@ subclassing :class:`Saver`; ``checkpoint.py`` knows no concrete one.
 
 from __future__ import annotations
 
-import re
 from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,28 +19,7 @@ from ignite.handlers.checkpoint import BaseSaveHandler
 
 from ignite_zero.agreement import rank_and_world
 
-__all__ = ["SaveRequest", "Saver", "local_path"]
-
-# A URL's scheme: `s3://`, `gs://`, `memory://`...
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def local_path(place: str | Path) -> Path:
-    """``place`` as a local path (``file://`` URLs included, ``~`` expanded).
-
-    Raises:
-        ValueError: ``place`` is a URL of another scheme (``s3://...``), which would otherwise become a local
-            directory named after the scheme.
-    """
-    text = str(place)
-    if text.startswith("file://"):
-        return Path(text[len("file://") :]).expanduser()
-    if _SCHEME.match(text):
-        raise ValueError(
-            f"{text} is a URL: ignite_zero reads and writes checkpoints in local (or mounted, shared) directories "
-            "only, so far. Mount the bucket (e.g. with s3fs-fuse or a CSI driver) and pass its path."
-        )
-    return Path(place).expanduser()
+__all__ = ["SaveRequest", "Saver", "unwrapped"]
 
 
 @dataclass(frozen=True)
@@ -109,13 +87,19 @@ class Saver(BaseSaveHandler):
         return type(self).__qualname__
 
     @property
-    def directory(self) -> Path | None:
-        """Where the checkpoints live, ``None`` where the saver cannot say (a callable handler, say)."""
+    def directory(self) -> Path | str | None:
+        """Where the checkpoints live (a path, or a URL), ``None`` where the saver cannot say (a callable handler,
+        say)."""
+        return None
+
+    @property
+    def storage_options(self) -> dict[str, Any] | None:
+        """The options of the file system of :attr:`directory`, where it is a URL."""
         return None
 
     def location(self, filename: str) -> str | Path:
         """What ``last_checkpoint`` returns for the checkpoint ``filename``: its path, else its name."""
-        return filename if self.directory is None else self.directory / filename
+        return filename if self.directory is None else Path(self.directory) / filename
 
     @abstractmethod
     def save(self, objects: Any, request: SaveRequest) -> None:

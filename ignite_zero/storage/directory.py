@@ -1,13 +1,13 @@
-"""What the savers of local directories share: the target directory, the one rank that writes (or, for a sharded
-save, seals and removes), file names that stay inside it, the cleanup after interrupted saves, retention, and the
-estimate of a checkpoint's size for the disk-space check."""
+"""What the savers of directories share: the target directory (local, or a prefix behind a URL), the one rank that
+writes (or, for a sharded save, seals and removes), file names that stay inside it, the cleanup after interrupted
+saves, retention, and the estimate of a checkpoint's size for the disk-space check."""
 
 from __future__ import annotations
 
 import logging
 import os
 import re
-import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +16,14 @@ from torch.distributed.tensor import DTensor
 
 from ignite_zero import tree
 from ignite_zero.agreement import rank_and_world
-from ignite_zero.storage.base import Saver, local_path
+from ignite_zero.storage.base import Saver
+from ignite_zero.storage.places import Place, RemotePlace, place_of
 
 __all__ = [
     "TEMPORARY",
     "DirectorySaver",
     "check_filename",
-    "fsync_directory",
     "package_version",
-    "remove_path",
     "serialized_size",
 ]
 
@@ -53,10 +52,19 @@ class DirectorySaver(Saver):
     """What the file and the directory savers share: the target directory, the one rank that writes (or, for a
     sharded save, seals and removes), the cleanup after interrupted saves, and retention."""
 
-    def __init__(self, dirname: str | Path, create_dir: bool, require_empty: bool, save_on_rank: int | None) -> None:
+    def __init__(
+        self,
+        dirname: str | Path | Place,
+        create_dir: bool,
+        require_empty: bool,
+        save_on_rank: int | None,
+        storage_options: Mapping[str, Any] | None,
+    ) -> None:
         if save_on_rank is not None and (not isinstance(save_on_rank, int) or save_on_rank < 0):
             raise ValueError(f"Argument `save_on_rank` should be a non-negative integer, got {save_on_rank!r}")
-        self.dirname = local_path(dirname)
+        self.place: Place = place_of(dirname, storage_options)
+        #: the directory: a path, or the URL of a prefix
+        self.dirname = self.place.location()
         self._create_dir = create_dir
         self._require_empty = require_empty
         self._rank_given = save_on_rank is not None
@@ -81,13 +89,18 @@ class DirectorySaver(Saver):
         return f"{type(self).__qualname__}:{self.dirname}"
 
     @property
-    def directory(self) -> Path:
+    def directory(self) -> Path | str:
         return self.dirname
 
+    @property
+    def storage_options(self) -> dict[str, Any] | None:
+        return self.place.storage_options if isinstance(self.place, RemotePlace) else None
+
+    def location(self, filename: str) -> str | Path:
+        return self.place.location(filename)
+
     def list(self) -> list[str]:
-        if not self.dirname.is_dir():
-            return []
-        return sorted(name for name in os.listdir(self.dirname) if name.endswith(f".{self.ext}"))
+        return sorted(name for name in self.place.entries() if name.endswith(f".{self.ext}"))
 
     @property
     def is_writer(self) -> bool:
@@ -98,11 +111,11 @@ class DirectorySaver(Saver):
         if self._prepared or not self.is_writer:
             return
         if self._create_dir:
-            self.dirname.mkdir(parents=True, exist_ok=True)
-        if not self.dirname.is_dir():
+            self.place.make()
+        elif not self.place.exists():
             raise ValueError(f"Directory path '{self.dirname}' is not found; create it or pass `create_dir=True`")
         if self._require_empty:
-            matched = sorted(name for name in os.listdir(self.dirname) if name.endswith(f".{self.ext}"))
+            matched = self.list()
             if matched:
                 raise ValueError(
                     f"Files {matched} with extension '.{self.ext}' are already present in the directory "
@@ -110,26 +123,23 @@ class DirectorySaver(Saver):
                 )
         self._prepared = True
 
-    def path(self, filename: str) -> Path:
-        """Where the checkpoint ``filename`` lives."""
-        return self.dirname / check_filename(filename)
-
     def _remove_temporaries(self) -> None:
         # Left by a process killed while writing; the live writer of this directory is this rank alone.
-        for name in os.listdir(self.dirname):
+        for name in self.place.entries():
             if TEMPORARY.match(name):
-                remove_path(self.dirname / name)
-                logger.warning("Removed %s, left by an interrupted save", self.dirname / name)
+                self.place.remove(name)
+                logger.warning("Removed %s, left by an interrupted save", self.place.location(name))
+        for key in self.place.abort_uploads():
+            logger.warning("Aborted the upload of %s, left by an interrupted save", key)
 
     def remove(self, filename: str) -> None:
         if not self.is_writer:
             return
-        path = self.path(filename)
-        if not path.exists():
-            logger.warning("Checkpoint %s was already removed", path)
+        check_filename(filename)
+        if filename not in self.place.entries():
+            logger.warning("Checkpoint %s was already removed", self.place.location(filename))
             return
-        remove_path(path)
-        fsync_directory(path.parent)
+        self.place.remove(filename)
 
 
 def serialized_size(obj: Any) -> int:
@@ -150,22 +160,6 @@ def serialized_size(obj: Any) -> int:
             storages[storage.data_ptr() if storage.nbytes() else id(tensor)] = storage.nbytes()
     # per record: zip headers and alignment (about 200 bytes); per object: its pickled description
     return sum(storages.values()) + 256 * len(storages) + 128 * len(leaves) + (1 << 16)
-
-
-def remove_path(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def fsync_directory(dirname: Path) -> None:
-    # Makes the rename (or unlink) itself durable: without it a power loss can revert the directory entry.
-    fd = os.open(dirname, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def package_version() -> str:

@@ -1,8 +1,9 @@
 """Single checkpoint files: :class:`DiskSaver`, the drop-in for ignite's saver of the same name.
 
-One rank writes one file, to a temporary name in the target directory, flushes it to disk, renames it, then flushes
-the directory, so that a crash at any point leaves either the previous file or the complete new one. Old checkpoints
-are removed only once the new one is durable.
+One rank writes one file, which appears whole or not at all (:meth:`ignite_zero.storage.places.Place.write`: a
+temporary file flushed and renamed on a local file system, a temporary object copied on the server on an object
+store), so that a crash at any point leaves either the previous file or the complete new one. Old checkpoints are
+removed only once the new one is durable.
 """
 
 from __future__ import annotations
@@ -10,10 +11,7 @@ from __future__ import annotations
 import errno
 import inspect
 import logging
-import os
-import shutil
 import time
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, cast
@@ -24,7 +22,8 @@ from ignite_zero import _compat, integrity
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.storage.base import SaveRequest
 from ignite_zero.storage.consolidated import ConsolidatingSaver
-from ignite_zero.storage.directory import DirectorySaver, fsync_directory, package_version, serialized_size
+from ignite_zero.storage.directory import DirectorySaver, check_filename, package_version, serialized_size
+from ignite_zero.storage.places import Place
 
 __all__ = ["DiskSaver"]
 
@@ -35,10 +34,11 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
     """Durable, rank-aware disk saver: the drop-in for :class:`ignite.handlers.DiskSaver`.
 
     Args:
-        dirname: directory in which checkpoints are written.
-        atomic: if True (default), write to a temporary file in ``dirname`` and rename it, so that a crash
-            never leaves a partial file under a checkpoint's name. If False, write in place (for file
-            systems without rename); the integrity trailer still exposes a partial file.
+        dirname: directory in which checkpoints are written: a path, or an fsspec URL (``s3://bucket/run``).
+        atomic: if True (default), write to a temporary file in ``dirname`` and rename it (on an object store:
+            copy it on the server), so that a crash never leaves a partial file under a checkpoint's name. If
+            False, write in place (for file systems without rename); the integrity trailer still exposes a
+            partial file.
         create_dir: if True, create ``dirname`` when it does not exist.
         require_empty: if True, raise when ``dirname`` already holds ``.pt`` files.
         save_on_rank: the only rank that writes. ``None`` (default) lets
@@ -46,6 +46,8 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         kwargs: keyword arguments of :func:`torch.save`, e.g. ``pickle_protocol``. With
             ``_use_new_zipfile_serialization=False`` the file is in torch's legacy format: written as durably, but
             without integrity trailer (it has no zip comment to carry one), and loaded without ``mmap``.
+        storage_options: options of the URL's file system (for S3: ``endpoint_url``, ``key``, ``secret``...),
+            as fsspec takes them; for URLs only.
 
     Differences from ignite's ``DiskSaver``, deliberate: the file and its directory are flushed to disk
     before the rename; new files get mode ``0o666 & ~umask`` (ignite adds group and world read); file names
@@ -60,16 +62,22 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
             saver = DiskSaver("/tmp/ckpt", require_empty=False)
             handler = Checkpoint(to_save, saver, n_saved=2, consolidate_recipient_rank=1)
 
+            # on an S3-compatible object store
+            saver = DiskSaver("s3://bucket/run", storage_options={"endpoint_url": "https://minio.example:9000"})
+
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.2.0
+        ``dirname`` may be an fsspec URL, with ``storage_options``.
     """
 
     def __init__(
         self,
-        dirname: str | Path,
+        dirname: str | Path | Place,
         atomic: bool = True,
         create_dir: bool = True,
         require_empty: bool = True,
         save_on_rank: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         try:
@@ -81,7 +89,7 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
             ) from None
         self._atomic = atomic
         self.kwargs = kwargs
-        super().__init__(dirname, create_dir, require_empty, save_on_rank)
+        super().__init__(dirname, create_dir, require_empty, save_on_rank, storage_options)
 
     def writes_here(self, request: SaveRequest) -> bool:
         return self.is_writer
@@ -93,37 +101,20 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         if not self.is_writer:
             return
         self._prepare()
-        path = self.path(filename)
+        check_filename(filename)
         self._remove_temporaries()
-        self._check_room(checkpoint, path)
+        self._check_room(checkpoint, filename)
         started = time.perf_counter()
-        if self._atomic:
-            self._write_atomically(checkpoint, path)
-        else:
-            self._write_in_place(checkpoint, path)
-        logger.info("Saved %s (%.1f MB) in %.2f s", path, path.stat().st_size / 1e6, time.perf_counter() - started)
-
-    def _write_atomically(self, checkpoint: Mapping, path: Path) -> None:
-        temporary = path.with_name(f".{path.name}.ignite_zero-{uuid.uuid4().hex[:12]}.tmp")
-        try:
-            # os.open applies the umask to 0o666, as any newly created file gets.
-            with os.fdopen(os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), "w+b") as f:
-                self._dump(checkpoint, f)
-            os.replace(temporary, path)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
-        fsync_directory(path.parent)
-
-    def _write_in_place(self, checkpoint: Mapping, path: Path) -> None:
-        # A new file rather than the old one truncated: a process that loaded the old one with mmap keeps it.
-        path.unlink(missing_ok=True)
-        with os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), "w+b") as f:
-            self._dump(checkpoint, f)
-        fsync_directory(path.parent)
+        self.place.write(filename, lambda f: self._dump(checkpoint, f), atomic=self._atomic)
+        logger.info(
+            "Saved %s (%.1f MB) in %.2f s",
+            self.place.location(filename),
+            self.place.size(filename) / 1e6,
+            time.perf_counter() - started,
+        )
 
     def _dump(self, checkpoint: Mapping, f: IO[bytes]) -> None:
-        stream = _ErrorKeepingStream(f)
+        stream = integrity.SealingStream(f)
         with _compat.serialization_crc32():
             try:
                 torch.save(checkpoint, cast(IO[bytes], stream), **self.kwargs)
@@ -131,41 +122,21 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
                 if stream.error is not None:  # the real cause, e.g. ENOSPC or EIO, instead of torch's summary
                     raise stream.error from error
                 raise
-        if self.kwargs.get("_use_new_zipfile_serialization", True):  # the legacy format is no zip: no trailer
-            integrity.seal(f, world_size=rank_and_world()[1], torch=torch.__version__, ignite_zero=package_version())
-        f.flush()
-        os.fsync(f.fileno())
+        if self.kwargs.get("_use_new_zipfile_serialization", True):
+            stream.seal(world_size=rank_and_world()[1], torch=torch.__version__, ignite_zero=package_version())
+        else:  # the legacy format is no zip: no trailer
+            stream.finish()
 
-    def _check_room(self, checkpoint: Mapping, path: Path) -> None:
+    def _check_room(self, checkpoint: Mapping, filename: str) -> None:
         """Fail before writing, clearly, when the new file cannot fit beside the ones it will replace."""
+        free = self.place.free_space()
+        if free is None:  # an object store: no limit to check
+            return
         needed = serialized_size(checkpoint)
-        free = shutil.disk_usage(self.dirname).free
         if needed > free:
             raise OSError(
                 errno.ENOSPC,
-                f"Not enough disk space for checkpoint {path}: it needs about {needed / 1e6:.1f} MB, "
-                f"{free / 1e6:.1f} MB are free (older checkpoints are removed only after the new one is written). "
-                "Free some space, write elsewhere, or lower `n_saved`.",
+                f"Not enough disk space for checkpoint {self.place.location(filename)}: it needs about "
+                f"{needed / 1e6:.1f} MB, {free / 1e6:.1f} MB are free (older checkpoints are removed only after the "
+                "new one is written). Free some space, write elsewhere, or lower `n_saved`.",
             )
-
-
-class _ErrorKeepingStream:
-    """Passes writes to a file and keeps the first error they raise.
-
-    torch's zip writer turns an exception in ``write`` into "unexpected pos ..."; the kept error lets the
-    saver report what really went wrong (no space left, an I/O error).
-    """
-
-    def __init__(self, f: IO[bytes]) -> None:
-        self._f = f
-        self.error: BaseException | None = None
-
-    def write(self, data: bytes) -> int:
-        try:
-            return self._f.write(data)
-        except BaseException as error:
-            self.error = self.error or error
-            raise
-
-    def flush(self) -> None:
-        self._f.flush()

@@ -2,7 +2,9 @@
 and the entries the objects of one rank need.
 
 - :class:`FileReader`: a single file (a consolidated save, or plain ``torch.save``, zip or legacy format), mapped
-  with ``mmap`` where it can be, so that the ranks of one host share its pages.
+  with ``mmap`` where it can be, so that the ranks of one host share its pages. On an object store, each rank reads
+  the file's structure, then only the tensors its objects need, with ranged reads, each checked against its
+  record's CRC-32 as it arrives.
 - :class:`DirectoryReader`: a sharded checkpoint directory (``torch.distributed.checkpoint``), from which every
   rank reads only what it needs: FSDP ranks their own shards into templates of them, ZeRO ranks the state of the
   parameters they own, and every rank the objects it holds whole.
@@ -15,15 +17,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
-from ignite_zero import integrity, sharded, tree
+from ignite_zero import _compat, integrity, sharded, tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.adapters.zero import as_saved_optimizer_state
 from ignite_zero.agreement import rank_and_world
-from ignite_zero.storage.base import local_path
+from ignite_zero.storage.places import READ_BLOCK, Place, StoredFile, split
 
 __all__ = ["DirectoryReader", "FileReader", "Filled", "Reader", "entries_of", "reader_for"]
 
@@ -38,15 +40,14 @@ class Filled:
 class Reader(ABC):
     """One checkpoint, as loading reads it.
 
-    Args:
-        path: where the checkpoint lies.
+    Attributes:
+        path: where the checkpoint lies, as users name it: a path, or a URL.
     """
 
     #: whether every rank must read the checkpoint itself, or one that sees it may send the others their part
     read_by_every_rank = False
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    path: Path | str
 
     @abstractmethod
     def identity(self) -> Any | None:
@@ -62,54 +63,167 @@ class Reader(ABC):
 
 
 class FileReader(Reader):
-    """A checkpoint file: its identity is its size and the checksum its trailer holds."""
+    """A checkpoint file: its identity is its size and the checksum its trailer holds.
+
+    Args:
+        place: its directory.
+        name: its name there.
+    """
+
+    def __init__(self, place: Place, name: str) -> None:
+        self.place = place
+        self.name = name
+        self.path = place.location(name)
+        self.stored = StoredFile(place, name)
 
     def identity(self) -> tuple[Any, ...] | None:
-        if not self.path.is_file():
+        if not self.place.is_file(self.name):
             return None
-        trailer = integrity.read_trailer(self.path)  # cheap: the central directory only; fails on a truncated file
-        return self.path.stat().st_size, None if trailer is None else trailer["directory_crc32"]
+        trailer = integrity.read_trailer(self.stored)  # cheap: the end of the file only; fails on a truncated file
+        return self.place.size(self.name), None if trailer is None else trailer["directory_crc32"]
 
     def verify(self) -> None:
-        integrity.verify_file(self._existing())
+        self._existing()
+        # On an object store every rank checks each record it reads as it reads it: checking them all here would
+        # download the whole file. The pickled structure is read whole, and checked here.
+        integrity.verify_file(self.stored, records=True if not self.place.remote else _is_structure)
 
     def load(self, weights_only: bool) -> Any:
-        """Everything the file holds, its tensors mapped from the file (copied for the legacy format)."""
+        """Everything the file holds, its tensors mapped from the file (copied for the legacy format; read whole
+        from an object store)."""
         self._existing()
-        mmap = not integrity.is_legacy_format(self.path)
+        if self.place.remote:
+            return self._read_tensors(self.structure(weights_only))
+        mmap = not integrity.is_legacy_format(self.stored)
         return torch.load(self.path, map_location="cpu", weights_only=weights_only, mmap=mmap)
 
     def entries(self, objects: Mapping, weights_only: bool) -> Any:
-        return entries_of(objects, self.load(weights_only))
+        if not self.place.remote:
+            return entries_of(objects, self.load(weights_only))
+        self._existing()
+        entries = entries_of(objects, self.structure(weights_only))
+        # before any tensor is read: each sharded object's own part of its entry only
+        parts = {path: obj.part_needed() for path, obj in tree.leaves(objects) if isinstance(obj, ShardedState)}
+        for path, part in parts.items():
+            if part is not None:
+                _replace(entries, path, part.select(tree.get(entries, path)))
+        return self._read_tensors(entries)
 
-    def _existing(self) -> Path:
-        if not self.path.is_file():
+    def structure(self, weights_only: bool) -> Any:
+        """What the file holds, with tensors on the meta device: the pickle and the record headers only (a local
+        file in torch's legacy format: loaded)."""
+        if integrity.is_legacy_format(self.stored):
+            if not self.place.remote:
+                return self.load(weights_only)
+            raise ValueError(
+                f"{self.path} is in torch's legacy format (`_use_new_zipfile_serialization=False`), which cannot be "
+                "read in parts: copy it to a local file, or save it again in the default format"
+            )
+        # small blocks: the pickle is read in pieces, and every record's header by itself
+        with self.place.open(self.name, block_size=_STRUCTURE_BLOCK) as f:
+            return torch.load(f, map_location="meta", weights_only=weights_only)
+
+    def _read_tensors(self, entries: Any) -> Any:
+        """``entries`` with each meta tensor replaced by the tensor read from the file (storages shared as saved),
+        each storage checked against its record's CRC-32."""
+        storages: dict[int, torch.UntypedStorage] = {}
+        with self.place.open(self.name, block_size=READ_BLOCK) as f:
+            check = integrity.record_checker(self.stored, f)
+
+            def real(tensor: torch.Tensor) -> torch.Tensor:
+                meta = tensor.untyped_storage()
+                offset = _compat.storage_offset_in_file(meta)
+                if offset not in storages:
+                    storages[offset] = _read_storage(f, offset, meta.nbytes(), check)
+                copy = torch.empty(0, dtype=tensor.dtype)
+                return copy.set_(storages[offset], tensor.storage_offset(), tensor.size(), tensor.stride())
+
+            return _map_tensors(real, entries)
+
+    def _existing(self) -> None:
+        if not self.place.is_file(self.name):
             raise FileNotFoundError(f"Checkpoint file {self.path} does not exist on rank {rank_and_world()[0]}")
-        return self.path
+
+
+# The structure of a file is read in blocks of this size: the pickle a few at a time, each record header in one.
+_STRUCTURE_BLOCK = 64 << 10
+
+
+def _is_structure(record: str) -> bool:
+    """Whether a record of a checkpoint file is part of its structure (the pickle, versions) and not a storage."""
+    return "/data/" not in record
+
+
+def _read_storage(f: IO[bytes], offset: int, nbytes: int, check: Callable[[int, int], None]) -> torch.UntypedStorage:
+    """The ``nbytes`` at ``offset`` of ``f``, read in blocks straight into a new storage, and checked."""
+    storage = torch.UntypedStorage(nbytes)
+    if nbytes == 0:
+        return storage
+    view = memoryview(cast(Any, torch.empty(0, dtype=torch.uint8).set_(storage).numpy())).cast("B")
+    f.seek(offset)
+    crc, done = 0, 0
+    while done < nbytes:
+        chunk = f.read(min(READ_BLOCK, nbytes - done))
+        if not chunk:
+            raise integrity.IntegrityError(f"{f}: the file ends inside a record (truncated)")
+        view[done : done + len(chunk)] = chunk
+        crc = sharded.crc32(chunk, crc)
+        done += len(chunk)
+    check(offset, crc)
+    return storage
+
+
+def _map_tensors(func: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """``value`` with every tensor ``t`` in it replaced by ``func(t)``, in place where containers allow: a model's
+    state dict keeps its ``_metadata``."""
+    if isinstance(value, torch.Tensor):
+        return func(value)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            value[key] = _map_tensors(func, item)
+    elif isinstance(value, list):
+        value[:] = [_map_tensors(func, item) for item in value]
+    elif isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_map_tensors(func, item) for item in value)
+    return value
+
+
+def _replace(entries: Any, path: tree.Path, value: Any) -> None:
+    parent = tree.get(entries, path[:-1])
+    parent[path[-1]] = value
 
 
 class DirectoryReader(Reader):
-    """A sharded checkpoint directory: its identity is the checksum of its manifest."""
+    """A sharded checkpoint directory: its identity is the checksum of its manifest.
+
+    Args:
+        place: the directory.
+    """
 
     read_by_every_rank = True
 
+    def __init__(self, place: Place) -> None:
+        self.place = place
+        self.path = place.location()
+
     def identity(self) -> tuple[Any, ...] | None:
-        if not self.path.is_dir():
+        if not self.place.exists():
             return None
-        if not sharded.is_sharded_checkpoint(self.path):
+        if not sharded.is_committed(self.place):
+            missing = sharded.MANIFEST if self.place.remote else ".metadata"
             raise integrity.IntegrityError(
-                f"{self.path} is not a complete checkpoint: it has no .metadata (interrupted save?)"
+                f"{self.path} is not a complete checkpoint: it has no {missing} (interrupted save?)"
             )
-        manifest = self.path / sharded.MANIFEST
-        return ("sharded", zlib.crc32(manifest.read_bytes()) if manifest.is_file() else None)
+        manifest = self.place.read(sharded.MANIFEST) if self.place.is_file(sharded.MANIFEST) else None
+        return ("sharded", None if manifest is None else zlib.crc32(manifest))
 
     def verify(self) -> None:
-        sharded.verify(self.path)
+        sharded.verify(self.place)
 
     def entries(self, objects: Mapping, weights_only: bool) -> Any:
         """Read what each object needs: its own shards where it gives a template, else the saved entries it wants,
         whole (optimizer state keyed by index again)."""
-        metadata = sharded.read_metadata(self.path)
+        metadata = sharded.read_metadata(self.place)
         saved = {sharded.path_of(metadata, name) for name in metadata.state_dict_metadata}
         templates: dict[tuple[Any, ...], Any] = {}
         flat: dict[str, Any] = {}
@@ -134,7 +248,7 @@ class DirectoryReader(Reader):
         state: dict[str, Any] = dict(flat)
         for path, template in templates.items():
             state[sharded.name_of(path)] = template
-        sharded.load(state, self.path)
+        sharded.load(state, self.place)
         nested = sharded.nest(metadata, {name: state[name] for name in flat})
 
         def entry(path: tuple[Any, ...], _: Any) -> Any:
@@ -145,10 +259,11 @@ class DirectoryReader(Reader):
         return tree.map_tree(entry, objects)
 
 
-def reader_for(place: str | Path) -> Reader:
-    """The reader of the checkpoint at ``place``: a directory is a sharded checkpoint, anything else a file."""
-    path = local_path(place)
-    return DirectoryReader(path) if path.is_dir() else FileReader(path)
+def reader_for(where: str | Path, storage_options: Mapping[str, Any] | None = None) -> FileReader | DirectoryReader:
+    """The reader of the checkpoint at ``where`` (a path or a URL): a directory is a sharded checkpoint, anything
+    else a file."""
+    parent, name = split(where, storage_options)
+    return DirectoryReader(parent.child(name)) if parent.is_dir(name) else FileReader(parent, name)
 
 
 def entries_of(objects: Mapping, loaded: Any) -> dict[str, Any]:

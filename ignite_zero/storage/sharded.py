@@ -1,6 +1,6 @@
 """Sharded checkpoints: :class:`ShardedSaver`, every rank writing its own part of a checkpoint directory through
-``torch.distributed.checkpoint``, checksummed while written (:mod:`ignite_zero.sharded`), sealed by one rank and
-renamed into place."""
+``torch.distributed.checkpoint``, checksummed while written (:mod:`ignite_zero.sharded`), then sealed by one rank:
+renamed into place on a local file system, committed by its manifest on an object store."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from ignite_zero.adapters import ShardedState
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
 from ignite_zero.groups import cpu_group
 from ignite_zero.storage.base import SaveRequest
-from ignite_zero.storage.directory import DirectorySaver, fsync_directory, package_version, serialized_size
+from ignite_zero.storage.directory import DirectorySaver, check_filename, package_version, serialized_size
+from ignite_zero.storage.places import LocalPlace, Place, fsync_directory
 
 __all__ = ["ShardedSaver"]
 
@@ -47,15 +48,23 @@ class ShardedSaver(DirectorySaver):
     file's CRC-32 is computed while it is written, and ``save_on_rank`` (the checkpoint's recipient) then seals
     the directory with a manifest of them, flushes it and renames it into place; older checkpoints are removed
     only after that. A directory under a checkpoint's name is always complete. Every rank must see the same
-    ``dirname`` (a shared file system).
+    ``dirname`` (a shared file system, or an object store).
+
+    On an object store, which has no rename, the ranks write into the checkpoint's own prefix, and the checkpoint
+    is complete exactly when its manifest exists: ``save_on_rank`` writes it last, after every rank's files.
+    Listings, loads and :func:`~ignite_zero.find_latest` take no prefix without manifest for a checkpoint, and the
+    next save removes what an interrupted one left.
 
     Args:
-        dirname: directory in which checkpoint directories are written.
+        dirname: directory in which checkpoint directories are written: a path, or an fsspec URL
+            (``s3://bucket/run``).
         create_dir: if True, create ``dirname`` when it does not exist.
         require_empty: if True, raise when ``dirname`` already holds ``.dcp`` checkpoints.
         save_on_rank: the rank that seals and removes checkpoints. ``None`` (default) lets
             :class:`~ignite_zero.Checkpoint` pick its ``consolidate_recipient_rank``; on its own, rank 0.
         thread_count: threads that write each rank's files.
+        storage_options: options of the URL's file system (for S3: ``endpoint_url``, ``key``, ``secret``...),
+            as fsspec takes them; for URLs only.
 
     Examples:
         .. code-block:: python
@@ -68,23 +77,40 @@ class ShardedSaver(DirectorySaver):
             Checkpoint.load_objects(to_load=to_save, checkpoint="/shared/ckpt/checkpoint_300.dcp")
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.2.0
+        ``dirname`` may be an fsspec URL, with ``storage_options``.
     """
 
     ext = "dcp"
 
     def __init__(
         self,
-        dirname: str | Path,
+        dirname: str | Path | Place,
         create_dir: bool = True,
         require_empty: bool = True,
         save_on_rank: int | None = None,
         thread_count: int = 1,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"Argument `thread_count` should be a positive integer, got {thread_count!r}")
         self.thread_count = thread_count
-        self._async_writer: sharded.ChecksummingWriter | None = None  # kept, with its host copies, between saves
-        super().__init__(dirname, create_dir, require_empty, save_on_rank)
+        self._async_writer: Any = None  # kept, with its host copies, between saves
+        super().__init__(dirname, create_dir, require_empty, save_on_rank, storage_options)
+
+    def list(self) -> list[str]:
+        """Names of the complete checkpoints: on an object store, those sealed by their manifest."""
+        names = super().list()
+        return [name for name in names if sharded.is_committed(self.place.child(name))] if self.place.remote else names
+
+    def _remove_temporaries(self) -> None:
+        super()._remove_temporaries()
+        if not self.place.remote:
+            return
+        for name, is_directory in self.place.entries().items():
+            if is_directory and name.endswith(f".{self.ext}") and self.place.child(name).is_file(sharded.UNCOMMITTED):
+                self.place.remove(name)
+                logger.warning("Removed %s, left by an interrupted save", self.place.location(name))
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
         """Collective: save ``checkpoint`` (this rank's part of it) as the directory ``filename``."""
@@ -213,18 +239,23 @@ class ShardedSaver(DirectorySaver):
 
     def _begin(
         self, state: Mapping, filename: str, timeout: float, stream: str, ranks: Sequence[int] | None, cache: bool
-    ) -> tuple[Path, sharded.ChecksummingWriter]:
-        """Collective: the writing rank clears what an interrupted save left and makes the temporary directory;
-        every rank learns whether the parts of all ranks fit on the disk."""
-        final = self.path(filename)
-        partial = final.with_name(f".{final.name}.ignite_zero-partial.tmp")
+    ) -> tuple[Place, Any]:
+        """Collective: the writing rank clears what an interrupted save left and makes the directory the ranks write
+        into; every rank learns whether the parts of all ranks fit on the disk."""
+        check_filename(filename)
+        target = self._written_into(filename)
         failure, free = None, None
         if self.is_writer:
             try:
                 self._prepare()
                 self._remove_temporaries()
-                partial.mkdir()
-                free = shutil.disk_usage(self.dirname).free
+                if self.place.remote:
+                    # a constant file name: the previous checkpoint of that name goes first (no rename to swap them)
+                    target.remove("")
+                    target.write(sharded.UNCOMMITTED, lambda f: f.write(b""))
+                else:
+                    target.make()
+                free = self.place.free_space()
             except Exception as error:
                 failure = error
         # an upper estimate: objects that every rank holds are counted on each, though written once
@@ -237,38 +268,43 @@ class ShardedSaver(DirectorySaver):
             ranks=ranks,
         )
         needed = sum(size for size, _ in reports)
-        free = next(space for _, space in reports if space is not None)
-        if needed > free:
+        free = next((space for _, space in reports if space is not None), None)
+        if free is not None and needed > free:
             raise OSError(
                 errno.ENOSPC,
-                f"Not enough disk space for checkpoint {final}: its parts need up to {needed / 1e6:.1f} MB, "
-                f"{free / 1e6:.1f} MB are free (older checkpoints are removed only after the new one is written). "
-                "Free some space, write elsewhere, or lower `n_saved`.",
+                f"Not enough disk space for checkpoint {self.place.location(filename)}: its parts need up to "
+                f"{needed / 1e6:.1f} MB, {free / 1e6:.1f} MB are free (older checkpoints are removed only after the "
+                "new one is written). Free some space, write elsewhere, or lower `n_saved`.",
             )
         if not cache:
-            writer = sharded.ChecksummingWriter(partial, self.thread_count)
+            writer = sharded.writer_for(target, self.thread_count)
         else:  # one writer for every asynchronous save: its host copies are reused
             if self._async_writer is None:
-                self._async_writer = sharded.ChecksummingWriter(
-                    partial, self.thread_count, cache_staged_state_dict=True
-                )
+                self._async_writer = sharded.writer_for(target, self.thread_count, cache_staged_state_dict=True)
             writer = self._async_writer
-            writer.reset(partial)
+            writer.reset(target.location())
         writer.written.clear()
-        return partial, writer
+        return target, writer
+
+    def _written_into(self, filename: str) -> Place:
+        """Where the ranks write the checkpoint ``filename``: a hidden temporary directory renamed into place once
+        sealed; on an object store, the checkpoint's own prefix."""
+        if self.place.remote:
+            return self.place.child(filename)
+        return self.place.child(f".{filename}.ignite_zero-partial.tmp")
 
     def _commit(
         self,
         filename: str,
-        partial: Path,
-        writer: sharded.ChecksummingWriter,
+        partial: Place,
+        writer: Any,
         failure: BaseException | None,
         timeout: float,
         stream: str,
         ranks: Sequence[int] | None,
         started: float,
     ) -> None:
-        """Collective: every rank's files to the writing rank, which seals the directory and renames it into place."""
+        """Collective: every rank's files to the writing rank, which seals the directory and puts it in place."""
         files = settle(
             failure,
             what=f"sharded save of {filename}",
@@ -281,13 +317,20 @@ class ShardedSaver(DirectorySaver):
             return
         listed = {name: record for rank_files in files for name, record in rank_files.items()}
         sharded.seal(partial, listed, world_size=len(files), torch=torch.__version__, ignite_zero=package_version())
-        fsync_directory(partial)
-        final = self.path(filename)
-        _install_directory(partial, final)
-        fsync_directory(final.parent)
+        if self.place.remote:
+            partial.remove(sharded.UNCOMMITTED)  # committed by the manifest already: this only tidies
+        else:
+            local, final = cast(LocalPlace, partial).path, Path(self.place.location(filename))
+            fsync_directory(local)
+            _install_directory(local, final)
+            fsync_directory(final.parent)
         size = sum(size for size, _ in listed.values())
         logger.info(
-            "Saved %s (%.1f MB, %d files) in %.2f s", final, size / 1e6, len(listed), time.perf_counter() - started
+            "Saved %s (%.1f MB, %d files) in %.2f s",
+            self.place.location(filename),
+            size / 1e6,
+            len(listed),
+            time.perf_counter() - started,
         )
 
 

@@ -1,0 +1,456 @@
+"""Where checkpoints live: a local directory, or a prefix of an object store or any other file system behind an
+fsspec URL (``s3://bucket/run``, ``gs://...``, ``memory://...``).
+
+A :class:`Place` offers what the savers and readers need and nothing more: list, open for ranged reads, remove, and
+:meth:`Place.write`, which makes a new file appear whole or not at all. On a local file system that is a temporary
+file, flushed to disk and renamed, then the directory flushed. An object store has no rename and nothing to flush:
+the new object is uploaded under a hidden temporary key, then copied to its name on the server (one atomic ``PUT``
+or ``CopyObject``), and the temporary key removed. A temporary left by a killed process is removed by the next
+save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import re
+import shutil
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any, cast
+
+__all__ = [
+    "LocalPlace",
+    "Place",
+    "RemotePlace",
+    "StorageError",
+    "StoredFile",
+    "fsync_directory",
+    "is_url",
+    "place_of",
+    "split",
+    "temporary_name",
+]
+
+# A URL's scheme: `s3://`, `gs://`, `memory://`...
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# Ranged reads of objects: large enough to amortise a request (a few ms each on S3), small enough to bound memory.
+READ_BLOCK = 8 << 20
+
+
+class StorageError(OSError):
+    """A storage operation failed: the message names the URL and what the store answered."""
+
+
+def is_url(place: str | Path) -> bool:
+    """Whether ``place`` is a URL of another file system than the local one (``file://`` URLs are local paths)."""
+    text = str(place)
+    return bool(_SCHEME.match(text)) and not text.startswith("file://")
+
+
+def temporary_name(name: str) -> str:
+    """The hidden name a new file is written under before it takes the name ``name``."""
+    return f".{name}.ignite_zero-{uuid.uuid4().hex[:12]}.tmp"
+
+
+class Place(ABC):
+    """A directory of checkpoints.
+
+    Attributes:
+        remote: whether it is behind an fsspec URL rather than on a local file system.
+    """
+
+    remote = False
+
+    @abstractmethod
+    def __str__(self) -> str: ...
+
+    @abstractmethod
+    def location(self, name: str = "") -> str | Path:
+        """What users are shown and given back for the entry ``name``: a path, or a URL."""
+
+    @abstractmethod
+    def child(self, name: str) -> Place:
+        """The directory (or prefix) ``name`` inside this one."""
+
+    @abstractmethod
+    def exists(self) -> bool:
+        """Whether the directory exists (a prefix holding something, on an object store)."""
+
+    @abstractmethod
+    def make(self) -> None:
+        """Create the directory with its parents; on an object store, check that the bucket is there."""
+
+    @abstractmethod
+    def entries(self) -> dict[str, bool]:
+        """The names directly inside, each mapped to whether it is a directory; empty if there is none."""
+
+    @abstractmethod
+    def is_file(self, name: str) -> bool: ...
+
+    @abstractmethod
+    def is_dir(self, name: str) -> bool:
+        """Whether ``name`` is a directory (a prefix holding something, on an object store)."""
+
+    @abstractmethod
+    def size(self, name: str) -> int: ...
+
+    @abstractmethod
+    def modified(self, name: str) -> float:
+        """The entry's modification time, in seconds since the epoch."""
+
+    @abstractmethod
+    def open(self, name: str, block_size: int = READ_BLOCK) -> IO[bytes]:
+        """The file ``name``, open for reading, seekable: on an object store, each read is a ranged ``GET`` of at
+        least ``block_size`` bytes, kept for the reads that follow."""
+
+    @abstractmethod
+    def read(self, name: str) -> bytes:
+        """The whole (small) file ``name``."""
+
+    @abstractmethod
+    def remove(self, name: str) -> None:
+        """Remove the file or directory ``name`` and everything in it."""
+
+    @abstractmethod
+    def write(self, name: str, dump: Callable[[IO[bytes]], object], atomic: bool = True) -> None:
+        """Create the file ``name`` from what ``dump`` writes to the stream it is given, whole or not at all.
+
+        Args:
+            name: the file's name.
+            dump: writes the content, sequentially; the stream may not seek.
+            atomic: write to a temporary name and commit under ``name`` only once complete. If False, write in
+                place (for file systems without rename); an object store's upload is atomic either way.
+        """
+
+    def free_space(self) -> int | None:
+        """Bytes free for new files, ``None`` where the storage cannot tell (object stores)."""
+        return None
+
+    def abort_uploads(self) -> list[str]:
+        """Abort the unfinished uploads under this place, left by processes killed while uploading; return their
+        keys. Only object stores have such uploads."""
+        return []
+
+
+class LocalPlace(Place):
+    """A local (or mounted, shared) directory."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def location(self, name: str = "") -> Path:
+        return self.path / name if name else self.path
+
+    def child(self, name: str) -> LocalPlace:
+        return LocalPlace(self.path / name)
+
+    def exists(self) -> bool:
+        return self.path.is_dir()
+
+    def make(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def entries(self) -> dict[str, bool]:
+        if not self.path.is_dir():
+            return {}
+        return {entry.name: entry.is_dir() for entry in os.scandir(self.path)}
+
+    def is_file(self, name: str) -> bool:
+        return (self.path / name).is_file()
+
+    def is_dir(self, name: str) -> bool:
+        return (self.path / name).is_dir()
+
+    def size(self, name: str) -> int:
+        return (self.path / name).stat().st_size
+
+    def modified(self, name: str) -> float:
+        return (self.path / name).stat().st_mtime
+
+    def open(self, name: str, block_size: int = READ_BLOCK) -> IO[bytes]:
+        return open(self.path / name, "rb")
+
+    def read(self, name: str) -> bytes:
+        return (self.path / name).read_bytes()
+
+    def remove(self, name: str) -> None:
+        path = self.path / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+        fsync_directory(self.path)
+
+    def write(self, name: str, dump: Callable[[IO[bytes]], object], atomic: bool = True) -> None:
+        final = self.path / name
+        if not atomic:
+            # A new file rather than the old one truncated: a process that loaded the old one with mmap keeps it.
+            final.unlink(missing_ok=True)
+            with os.fdopen(os.open(final, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), "w+b") as f:
+                _dump_durably(dump, f)
+            fsync_directory(self.path)
+            return
+        temporary = self.path / temporary_name(name)
+        try:
+            # os.open applies the umask to 0o666, as any newly created file gets.
+            with os.fdopen(os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), "w+b") as f:
+                _dump_durably(dump, f)
+            os.replace(temporary, final)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        fsync_directory(self.path)
+
+    def free_space(self) -> int:
+        return shutil.disk_usage(self.path).free
+
+
+def _dump_durably(dump: Callable[[IO[bytes]], object], f: IO[bytes]) -> None:
+    dump(f)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def fsync_directory(dirname: Path) -> None:
+    """Make a rename (or unlink) in ``dirname`` durable: without it a power loss can revert the directory entry."""
+    fd = os.open(dirname, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class RemotePlace(Place):
+    """A prefix behind an fsspec URL.
+
+    Args:
+        url: the prefix, e.g. ``s3://bucket/run``.
+        storage_options: the file system's options (for S3: ``endpoint_url``, ``key``, ``secret``,
+            ``client_kwargs``...); the environment supplies the rest, as for any fsspec client.
+    """
+
+    remote = True
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        # Other ranks and processes write here too: a listing kept from before their writes would hide them.
+        self.fs, self.root = _file_system(self.url, {"use_listings_cache": False, **self.storage_options})
+        self.root = self.root.rstrip("/")
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __reduce__(self) -> tuple[Any, ...]:  # sent to other ranks by URL: each builds its own client
+        return RemotePlace, (self.url, self.storage_options)
+
+    def location(self, name: str = "") -> str:
+        return f"{self.url}/{name}" if name else self.url
+
+    def child(self, name: str) -> RemotePlace:
+        return RemotePlace(self.location(name), self.storage_options)
+
+    def _key(self, name: str) -> str:
+        return f"{self.root}/{name}" if name else self.root
+
+    @contextlib.contextmanager
+    def _answering(self, what: str, name: str = "") -> Iterator[None]:
+        """Errors of the store, with the URL and what was asked of it."""
+        try:
+            yield
+        except StorageError:
+            raise
+        except FileNotFoundError:
+            raise
+        except Exception as error:
+            raise StorageError(
+                f"{what} {self.location(name)} failed: {type(error).__name__}: {error}. Check the URL, the "
+                "credentials and `storage_options` (e.g. `endpoint_url`)."
+            ) from error
+
+    def exists(self) -> bool:
+        with self._answering("Listing"):
+            return bool(self.fs.exists(self.root))
+
+    def make(self) -> None:
+        with self._answering("Opening"):
+            bucket = self.root.split("/", 1)[0]
+            protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+            if "s3" in protocols:  # a bucket is not a directory: writing into a missing one fails late, obscurely
+                try:
+                    self.fs.call_s3("head_bucket", Bucket=bucket)
+                except FileNotFoundError:
+                    raise FileNotFoundError(
+                        f"Bucket {bucket!r} of {self.url} does not exist (or these credentials cannot see it); create "
+                        "it first: ignite_zero does not create buckets"
+                    ) from None
+            self.fs.makedirs(self.root, exist_ok=True)
+
+    def entries(self) -> dict[str, bool]:
+        with self._answering("Listing"):
+            try:
+                listed = self.fs.ls(self.root, detail=True, refresh=True)
+            except FileNotFoundError:
+                return {}
+        found = {}
+        for info in listed:
+            name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+            if info["name"].rstrip("/") != self.root:
+                found[name] = info["type"] == "directory"
+        return found
+
+    def is_file(self, name: str) -> bool:
+        with self._answering("Reading", name):
+            return bool(self.fs.isfile(self._key(name)))
+
+    def is_dir(self, name: str) -> bool:
+        with self._answering("Reading", name):
+            return bool(self.fs.isdir(self._key(name)))
+
+    def size(self, name: str) -> int:
+        with self._answering("Reading", name):
+            return int(self.fs.size(self._key(name)))
+
+    def modified(self, name: str) -> float:
+        with self._answering("Reading", name):
+            info = self.fs.info(self._key(name))
+        stamp = info.get("LastModified", info.get("mtime", info.get("created")))
+        if isinstance(stamp, datetime.datetime):
+            return stamp.timestamp()
+        return float(stamp) if stamp is not None else 0.0
+
+    def open(self, name: str, block_size: int = READ_BLOCK) -> IO[bytes]:
+        with self._answering("Reading", name):
+            return self.fs.open(self._key(name), "rb", block_size=block_size, cache_type="readahead")
+
+    def read(self, name: str) -> bytes:
+        with self._answering("Reading", name):
+            return bytes(self.fs.cat_file(self._key(name)))
+
+    def remove(self, name: str) -> None:
+        with self._answering("Removing", name):
+            try:
+                self.fs.rm(self._key(name), recursive=True)
+            except FileNotFoundError:
+                pass
+
+    def write(self, name: str, dump: Callable[[IO[bytes]], object], atomic: bool = True) -> None:
+        final = self._key(name)
+        target = self._key(temporary_name(name)) if atomic else final
+        with self._answering("Writing", name):
+            stream = self.fs.open(target, "wb")
+            try:
+                dump(stream)
+            except BaseException:
+                _discard(stream)
+                with contextlib.suppress(Exception):
+                    self.fs.rm(target)
+                raise
+            stream.close()  # completes the upload: the object now exists, whole
+            if atomic:
+                try:
+                    self.fs.copy(target, final)  # on the server, atomic: the name holds the old object or the new one
+                finally:
+                    with contextlib.suppress(Exception):
+                        self.fs.rm(target)
+
+    def abort_uploads(self) -> list[str]:
+        """Abort the unfinished multipart uploads under this prefix (S3); return their keys."""
+        lister = getattr(self.fs, "list_multipart_uploads", None)
+        if lister is None:
+            return []
+        bucket, _, prefix = self.root.partition("/")
+        with self._answering("Listing uploads of"):
+            uploads = [u for u in lister(bucket) if u["Key"].startswith(f"{prefix}/" if prefix else "")]
+            for upload in uploads:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        return [f"{bucket}/{upload['Key']}" for upload in uploads]
+
+
+def _discard(stream: Any) -> None:
+    """Abandon an upload in progress so that closing it does not commit what was written so far."""
+    discard = getattr(stream, "discard", None)
+    if callable(discard):
+        with contextlib.suppress(Exception):
+            discard()  # s3fs: aborts the multipart upload
+    stream.closed = True  # else fsspec's finaliser closes the stream, which uploads the part written
+
+
+def _file_system(url: str, storage_options: Mapping[str, Any]) -> tuple[Any, str]:
+    from fsspec.core import url_to_fs  # type: ignore[import-untyped]
+
+    try:
+        return url_to_fs(url, **storage_options)
+    except ValueError as error:
+        raise ValueError(
+            f"{url}: {error}. The URL's protocol is not one fsspec knows; use a local path, or a URL such as "
+            "s3://bucket/run with the protocol's package installed (s3: pip install 'ignite-zero[s3]')"
+        ) from error
+    except ImportError as error:
+        raise ImportError(
+            f"{url}: {error}. Install the package of this protocol (s3: pip install 'ignite-zero[s3]')"
+        ) from error
+
+
+class StoredFile:
+    """A file of a place, as the integrity checks read it.
+
+    Args:
+        place: the directory.
+        name: the file's name in it.
+    """
+
+    def __init__(self, place: Place, name: str) -> None:
+        self.place = place
+        self.name = name
+
+    def __str__(self) -> str:
+        return str(self.place.location(self.name))
+
+    def open(self) -> IO[bytes]:
+        return self.place.open(self.name)
+
+    @property
+    def size(self) -> int:
+        return self.place.size(self.name)
+
+
+def split(where: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> tuple[Place, str]:
+    """The directory of the entry ``where`` (a path or a URL), and the entry's name in it."""
+    text = str(where).rstrip("/")
+    if is_url(text):
+        parent, _, name = text.rpartition("/")
+        if parent.endswith(":/") or not name:  # "s3://bucket": a bucket is no checkpoint
+            raise ValueError(f"{where} names a bucket, not a checkpoint in it: pass the URL of a checkpoint")
+        return RemotePlace(parent, storage_options), name
+    path = cast(LocalPlace, place_of(where, storage_options)).path
+    return LocalPlace(path.parent), path.name
+
+
+def place_of(where: str | os.PathLike | Place, storage_options: Mapping[str, Any] | None = None) -> Place:
+    """The place ``where`` names: a :class:`RemotePlace` for a URL, else a :class:`LocalPlace` (``file://`` URLs
+    and ``~`` included).
+
+    Raises:
+        ValueError: ``storage_options`` given with a local path, or a URL whose protocol fsspec does not know.
+    """
+    if isinstance(where, Place):
+        return where
+    text = str(where)
+    if is_url(text):
+        return RemotePlace(text, storage_options)
+    if storage_options:
+        raise ValueError(
+            f"`storage_options` {dict(storage_options)} were given with the local path {text}: they are for URLs "
+            "(s3://...) only. Drop them, or pass a URL."
+        )
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    return LocalPlace(Path(text).expanduser())
