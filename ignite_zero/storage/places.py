@@ -282,8 +282,7 @@ class RemotePlace(Place):
     def make(self) -> None:
         with self._answering("Opening"):
             bucket = self.root.split("/", 1)[0]
-            protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-            if "s3" in protocols:  # a bucket is not a directory: writing into a missing one fails late, obscurely
+            if "s3" in self._protocols:  # a bucket is not a directory: writing into a missing one fails late, obscurely
                 try:
                     self.fs.call_s3("head_bucket", Bucket=bucket)
                 except FileNotFoundError:
@@ -343,23 +342,39 @@ class RemotePlace(Place):
 
     def write(self, name: str, dump: Callable[[IO[bytes]], object], atomic: bool = True) -> None:
         final = self._key(name)
-        target = self._key(temporary_name(name)) if atomic else final
+        # S3 makes an object visible only once its upload completes (one PUT, or the completion of a multipart
+        # upload), replacing the previous one at that instant: the upload itself is the commit. Other stores go
+        # through a temporary key and a copy on the server, which cost 1.3-1.5x the upload of a 60 MB checkpoint
+        # to a loopback S3 server.
+        direct = not atomic or self._commits_uploads
+        target = final if direct else self._key(temporary_name(name))
         with self._answering("Writing", name):
             stream = self.fs.open(target, "wb")
             try:
                 dump(stream)
             except BaseException:
                 _discard(stream)
-                with contextlib.suppress(Exception):
-                    self.fs.rm(target)
+                if not direct:
+                    with contextlib.suppress(Exception):
+                        self.fs.rm(target)
                 raise
             stream.close()  # completes the upload: the object now exists, whole
-            if atomic:
+            if not direct:
                 try:
-                    self.fs.copy(target, final)  # on the server, atomic: the name holds the old object or the new one
+                    self.fs.copy(target, final)  # on the server: the name holds the old object or the new one
                 finally:
                     with contextlib.suppress(Exception):
                         self.fs.rm(target)
+
+    @property
+    def _commits_uploads(self) -> bool:
+        """Whether an upload appears whole or not at all under its own name (S3)."""
+        return "s3" in self._protocols
+
+    @property
+    def _protocols(self) -> tuple[str, ...]:
+        protocol = self.fs.protocol
+        return tuple(protocol) if isinstance(protocol, (tuple, list)) else (protocol,)
 
     def abort_uploads(self) -> list[str]:
         """Abort the unfinished multipart uploads under this prefix (S3); return their keys."""
