@@ -66,7 +66,8 @@ def _loopback_s3() -> tuple[Any, str]:
 def _rank(rank: int, world_size: int, count: int, runs: int, endpoint: str) -> dict[str, list[float]]:
     import s3fs
 
-    options = {"endpoint_url": endpoint}
+    # moto completes a multipart upload of 1.2 GB in more than botocore's 60 s: a retry would find it gone
+    options = {"endpoint_url": endpoint, "config_kwargs": {"read_timeout": 900}}
     client = s3fs.S3FileSystem(**options)
     model = ZeROParameters(count)
     optimizer = zero_adam_after_one_step(model)

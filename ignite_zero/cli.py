@@ -261,6 +261,7 @@ def _parser() -> argparse.ArgumentParser:
     consolidate.add_argument("target", type=_where, help="checkpoint file to write (a path or a URL); must not exist")
     export = commands.add_parser(
         "export",
+        parents=[storage],
         help="write a model's weights as Hugging Face-style safetensors, tensor by tensor",
         description="Write the weights of one object of a checkpoint file or sharded directory as safetensors: "
         "model.safetensors, or shards and model.safetensors.index.json. Memory holds one tensor at a time; never "
@@ -288,10 +289,8 @@ def _byte_size(text: str) -> int:
 
 
 def _export(args: argparse.Namespace, out: TextIO) -> int:
-    if is_url(args.source) or is_url(args.target):
-        print(
-            "ignite-zero: export reads and writes local paths only; consolidate to a local file first", file=sys.stderr
-        )
+    if is_url(args.target):
+        print("ignite-zero: export writes to a local directory only; copy it to the store afterwards", file=sys.stderr)
         return 1
     if Path(args.target).exists():
         print(f"ignite-zero: {args.target} exists; export never overwrites: choose another name", file=sys.stderr)
@@ -306,6 +305,7 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
         dtype=dtype,
         max_shard_size=args.max_shard_size,
         progress=progress.update,
+        storage_options=dict(args.storage_option) or None,
     )
     progress.close()
     total = sum(path.stat().st_size for path in files)

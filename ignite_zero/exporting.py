@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ignite_zero import integrity, sharded, tree
+from ignite_zero import _compat, integrity, sharded, tree
 from ignite_zero.integrity import IntegrityError
 from ignite_zero.storage.readers import DirectoryReader, FileReader, reader_for
 
@@ -72,6 +72,7 @@ def export(
     dtype: torch.dtype | None = None,
     max_shard_size: int = 5 * 10**9,
     progress: Callable[[int, int], None] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[Path]:
     """Write the weights of the object ``only`` of a checkpoint as safetensors in the new directory ``target``.
 
@@ -83,12 +84,14 @@ def export(
     weights, whose models tie them again when loading. Values that are not tensors are left out.
 
     Args:
-        source: a checkpoint file or a sharded checkpoint directory; it is verified first.
+        source: a checkpoint file or a sharded checkpoint directory, a path or a URL; it is verified first. From
+            an object store, one tensor is read at a time, with ranged reads.
         target: a directory that must not exist: nothing is ever overwritten.
         only: the entry of the checkpoint to export; a single-object save is that object itself.
         dtype: convert floating-point tensors to this dtype.
         max_shard_size: largest shard, in bytes (one tensor larger than that is a shard of its own).
         progress: called as ``progress(bytes written, total bytes)`` after each tensor.
+        storage_options: options of the file system of a ``source`` URL (for S3: ``endpoint_url``...).
 
     Returns:
         The files written.
@@ -110,7 +113,7 @@ def export(
     target = Path(target)
     if target.exists():
         raise FileExistsError(f"{target} exists; export never overwrites: choose another directory")
-    reader = reader_for(source)
+    reader = reader_for(source, storage_options)
     if reader.identity() is None:
         raise FileNotFoundError(f"Checkpoint {source} does not exist")
     reader.verify()
@@ -151,8 +154,10 @@ def _entries(reader: Any, only: str, dtype: torch.dtype | None) -> tuple[list[_E
     if isinstance(reader, DirectoryReader):
         return _directory_entries(reader, only, dtype), {}
     assert isinstance(reader, FileReader)
-    loaded = reader.load(weights_only=True)  # mapped: tensors are read when their bytes are
-    mapped = not integrity.is_legacy_format(reader.path)
+    remote = reader.place.remote
+    # mapped: tensors are read when their bytes are; from an object store, read one at a time when written
+    loaded = reader.structure(weights_only=True) if remote else reader.load(weights_only=True)
+    mapped = not remote and not integrity.is_legacy_format(reader.stored)
     if not isinstance(loaded, Mapping):
         raise ValueError(f"{reader.path} holds a {type(loaded).__name__}, not a state dict to export")
     if only in loaded:
@@ -170,20 +175,21 @@ def _entries(reader: Any, only: str, dtype: torch.dtype | None) -> tuple[list[_E
         if not isinstance(value, torch.Tensor):
             continue
         name = ".".join(map(str, path))
-        view = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride())
+        storage = value.untyped_storage()
+        where = _compat.storage_offset_in_file(storage) if remote else storage.data_ptr()
+        view = (where, value.storage_offset(), tuple(value.shape), value.stride())
         if value.numel() and view in written:
             aliases[name] = written[view]
             continue
         written[view] = name
         release: Callable[[], None] = functools.partial(_drop_pages, value) if mapped else (lambda: None)
-        entries.append(
-            _Entry(name, _converted(value.dtype, dtype), tuple(value.shape), _reading(value, dtype), release)
-        )
+        read = functools.partial(_read_remote, reader, value, dtype) if remote else _reading(value, dtype)
+        entries.append(_Entry(name, _converted(value.dtype, dtype), tuple(value.shape), read, release))
     return entries, aliases
 
 
 def _directory_entries(reader: DirectoryReader, only: str, dtype: torch.dtype | None) -> list[_Entry]:
-    metadata = sharded.read_metadata(reader.path)
+    metadata = sharded.read_metadata(reader.place)
     entries = []
     for flat_name, storage in metadata.state_dict_metadata.items():
         path = sharded.path_of(metadata, flat_name)
@@ -193,7 +199,7 @@ def _directory_entries(reader: DirectoryReader, only: str, dtype: torch.dtype | 
 
         def read(flat_name: str = flat_name, storage: Any = storage, source_dtype: torch.dtype = source_dtype) -> Any:
             template = {flat_name: torch.empty(storage.size, dtype=source_dtype)}
-            sharded.load(template, reader.path)  # this tensor alone, from every file that holds a part of it
+            sharded.load(template, reader.place)  # this tensor alone, from every file that holds a part of it
             return _as(template[flat_name], dtype)
 
         name = ".".join(map(str, path[1:]))
@@ -209,6 +215,11 @@ def _converted(source: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
 
 def _reading(value: torch.Tensor, dtype: torch.dtype | None) -> Callable[[], torch.Tensor]:
     return lambda: _as(value, dtype)
+
+
+def _read_remote(reader: FileReader, value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The tensor whose structure ``value`` (on the meta device) gives, read from the object store."""
+    return _as(reader.read_tensors(value), dtype)
 
 
 def _as(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

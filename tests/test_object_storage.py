@@ -342,3 +342,17 @@ def test_memory_and_file_urls(tmp_path):
         Checkpoint.load_objects({"model": fresh}, handler.last_checkpoint)
         assert_state_equal(fresh.state_dict(), model.state_dict())
     assert handler.last_checkpoint == tmp_path / "run" / "model_3.pt"  # a file:// URL is a local path
+
+
+def test_export_reads_a_url_one_tensor_at_a_time(saved, tmp_path):
+    from safetensors.torch import load_file
+
+    from ignite_zero import export
+
+    _, _, options, results = saved
+    files = export(results[0][1], tmp_path / "hf", storage_options=options)
+    assert [path.name for path in files] == ["model.safetensors"]
+    exported = load_file(files[0])
+    twin = mixed_twin()[0].state_dict()
+    assert sorted(exported) == sorted(twin)
+    torch.testing.assert_close(exported, dict(twin))

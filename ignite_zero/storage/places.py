@@ -3,10 +3,10 @@ fsspec URL (``s3://bucket/run``, ``gs://...``, ``memory://...``).
 
 A :class:`Place` offers what the savers and readers need and nothing more: list, open for ranged reads, remove, and
 :meth:`Place.write`, which makes a new file appear whole or not at all. On a local file system that is a temporary
-file, flushed to disk and renamed, then the directory flushed. An object store has no rename and nothing to flush:
-the new object is uploaded under a hidden temporary key, then copied to its name on the server (one atomic ``PUT``
-or ``CopyObject``), and the temporary key removed. A temporary left by a killed process is removed by the next
-save.
+file, flushed to disk and renamed, then the directory flushed. An object store has no rename and nothing to flush.
+On S3 the upload itself commits: an object appears once its upload completes (one ``PUT``, or a multipart upload's
+completion). Elsewhere the new object is uploaded under a hidden temporary key, copied to its name on the server,
+and the temporary key removed. What a killed process left is removed by the next save.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class FileReader(Reader):
         from an object store)."""
         self._existing()
         if self.place.remote:
-            return self._read_tensors(self.structure(weights_only))
+            return self.read_tensors(self.structure(weights_only))
         mmap = not integrity.is_legacy_format(self.stored)
         return torch.load(self.path, map_location="cpu", weights_only=weights_only, mmap=mmap)
 
@@ -107,7 +107,7 @@ class FileReader(Reader):
         for path, part in parts.items():
             if part is not None:
                 _replace(entries, path, part.select(tree.get(entries, path)))
-        return self._read_tensors(entries)
+        return self.read_tensors(entries)
 
     def structure(self, weights_only: bool) -> Any:
         """What the file holds, with tensors on the meta device: the pickle and the record headers only (a local
@@ -123,7 +123,7 @@ class FileReader(Reader):
         with self.place.open(self.name, block_size=_STRUCTURE_BLOCK) as f:
             return torch.load(f, map_location="meta", weights_only=weights_only)
 
-    def _read_tensors(self, entries: Any) -> Any:
+    def read_tensors(self, entries: Any) -> Any:
         """``entries`` with each meta tensor replaced by the tensor read from the file (storages shared as saved),
         each storage checked against its record's CRC-32."""
         storages: dict[int, torch.UntypedStorage] = {}
