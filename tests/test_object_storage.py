@@ -13,7 +13,7 @@ from ignite.engine import Engine, Events
 from launcher import run_ranks
 from training import assert_state_equal, mixed_objects, mixed_twin, small_net, tiny_model, train_step, zero_adam
 
-from ignite_zero import Checkpoint, DiskSaver, IntegrityError, RankFailureError, ShardedSaver, find_latest, sharded
+from ignite_zero import Checkpoint, DiskSaver, IntegrityError, RankFailureError, ShardedSaver, cli, find_latest, sharded
 from ignite_zero.integrity import SealingStream
 from ignite_zero.storage.places import RemotePlace, StorageError
 
@@ -116,25 +116,25 @@ def test_find_latest_and_load_latest_on_a_url(saved):
     torch.testing.assert_close(model.state_dict(), mixed_twin()[0].state_dict())
 
 
-def test_the_command_line_takes_urls(saved):
+def test_the_command_line_takes_urls(saved, capsys, monkeypatch):
     mode, url, options, results = saved
     if mode != "sharded":
         pytest.skip("one run covers both formats: the sharded checkpoint, and the file consolidated from it")
     option = ["--storage-option", f"endpoint_url={options['endpoint_url']}"]
-    env = {**os.environ, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}  # the option, not the environment, must count
-
-    def run(*args):
-        return subprocess.run([sys.executable, "-m", "ignite_zero", *args, *option], env=env, capture_output=True)
-
-    verified = run("verify", results[0][1])
+    # the option, not the environment, must count
+    env = {**os.environ, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    command = [sys.executable, "-m", "ignite_zero", "verify", results[0][1], *option]
+    verified = subprocess.run(command, env=env, capture_output=True)  # one real process; the rest in this one
     assert verified.returncode == 0 and b"sizes and CRC-32 match the manifest" in verified.stdout, verified.stderr
     target = f"{url}-consolidated/checkpoint_4.pt"
-    made = run("consolidate", results[0][1], target)
-    assert made.returncode == 0, made.stderr
-    shown = run("inspect", target)
-    assert shown.returncode == 0 and b"model: " in shown.stdout and b"side_optimizer: " in shown.stdout, shown.stderr
-    missing = run("verify", f"{url}/checkpoint_9.pt")
-    assert missing.returncode == 1 and b"does not exist" in missing.stderr
+    assert cli.main(["consolidate", results[0][1], target, *option]) == 0
+    assert cli.main(["inspect", target, *option]) == 0
+    shown = capsys.readouterr().out
+    assert "model: " in shown and "side_optimizer: " in shown
+    assert cli.main(["verify", target, *option]) == 0
+    assert cli.main(["verify", f"{url}/checkpoint_9.pt", *option]) == 1
+    assert "does not exist" in capsys.readouterr().err
     model = small_net()
     Checkpoint.load_objects({"model": model}, target, storage_options=options)
     torch.testing.assert_close(model.state_dict(), mixed_twin()[0].state_dict())
@@ -331,17 +331,21 @@ def test_bad_places_are_clear_errors(bucket, storage_options):
         Checkpoint({"model": model}, DiskSaver(f"{bucket}/run", storage_options=unreachable))(_engine_at(1))
 
 
-def test_memory_and_file_urls(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_memory_and_file_urls_in_both_modes(tmp_path, async_save):
     model = tiny_model()
-    for url in ("memory://ignite-zero-test/run", f"file://{tmp_path}/run"):
-        handler = Checkpoint({"model": model}, DiskSaver(url), n_saved=2)
-        for step in (1, 2, 3):
-            handler(_engine_at(step))
-        assert handler.save_handler.list() == ["model_2.pt", "model_3.pt"]
-        fresh = tiny_model(seed=4)
-        Checkpoint.load_objects({"model": fresh}, handler.last_checkpoint)
-        assert_state_equal(fresh.state_dict(), model.state_dict())
-    assert handler.last_checkpoint == tmp_path / "run" / "model_3.pt"  # a file:// URL is a local path
+    for saver, ext in ((DiskSaver, "pt"), (ShardedSaver, "dcp")):
+        for url in (f"memory://ignite-zero-test/{ext}{async_save}", f"file://{tmp_path}/{ext}"):
+            handler = Checkpoint({"model": model}, saver(url), n_saved=2, async_save=async_save)
+            for step in (1, 2, 3):
+                handler(_engine_at(step))
+            handler.wait()
+            assert handler.save_handler.list() == [f"model_2.{ext}", f"model_3.{ext}"]
+            fresh = tiny_model(seed=4)
+            Checkpoint.load_objects({"model": fresh}, handler.last_checkpoint)
+            assert_state_equal(fresh.state_dict(), model.state_dict())
+            assert find_latest(url) == str(handler.last_checkpoint)
+        assert handler.last_checkpoint == tmp_path / ext / f"model_3.{ext}"  # a file:// URL is a local path
 
 
 def test_export_reads_a_url_one_tensor_at_a_time(saved, tmp_path):

@@ -251,7 +251,7 @@ class ShardedSaver(DirectorySaver):
                 self._remove_temporaries()
                 if self.place.remote:
                     # a constant file name: the previous checkpoint of that name goes first (no rename to swap them)
-                    target.remove("")
+                    self.place.remove(filename)
                     target.write(sharded.UNCOMMITTED, lambda f: f.write(b""))
                 else:
                     target.make()
