@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from zlib_ng import zlib_ng
+
 __all__ = [
     "IntegrityError",
     "SealingStream",
@@ -123,7 +125,7 @@ class SealingStream:
             self._directory = (self._position, 0, {})
         if self._directory is not None:
             start, crc, ends = self._directory
-            crc = zlib.crc32(view, crc)
+            crc = zlib_ng.crc32(view, crc)  # SIMD: should tensor data after a chance signature run through here
             ends[self._position + size] = crc
             self._directory = (start, crc, ends)
         self._position += size
