@@ -156,8 +156,8 @@ class _FSDPState(ShardedState):
         """Validate locally, without communication, that the state can be gathered.
 
         Raises:
-            ValueError: the recipient is outside the world; the module mixes FSDP1 and FSDP2, uses HSDP or a
-                2-D device mesh, or shards over a group that is not the whole world.
+            ValueError: the recipient is outside the world; the module mixes FSDP1 and FSDP2, or holds a DTensor
+                with a ``Partial`` (pending reduction) or custom placement.
             RuntimeError: this torch's FSDP1 lacks the internals read to find its shards.
         """
         super().check()
@@ -170,13 +170,14 @@ class FSDPModelState(_FSDPState):
     ``state_dict()`` is a collective: on the recipient it returns what the unwrapped module's ``state_dict()``
     would (same names without wrapper segments, same order, plain CPU tensors, tied parameters as one tensor),
     and ``{}`` on every other rank. Only the recipient holds the full state; every other rank sends views of
-    its shards. ``load_state_dict()`` restores it from a state saved on any number of ranks (or by the plain
-    module); it is local and only reads the given dict, which may be an ``mmap``'d ``torch.load`` result shared
-    by the ranks of a host.
+    its shards, each block once, from one of its replicas. ``load_state_dict()`` restores it from a state saved
+    on any number of ranks and any layout (or by the plain module); it is local and only reads the given dict,
+    which may be an ``mmap``'d ``torch.load`` result shared by the ranks of a host.
 
     Args:
-        module: the model: an FSDP1 ``FullyShardedDataParallel``, or a module with FSDP2 (``fully_shard``)
-            modules, sharded over the whole world.
+        module: the model: an FSDP1 ``FullyShardedDataParallel`` (any sharding strategy, hybrid ones included), or
+            a module with FSDP2 (``fully_shard``) modules on any device mesh: 1-D, HSDP, FSDP2 over tensor
+            parallelism, units on different meshes.
         recipient_rank: global rank that receives the full state.
 
     Examples:
@@ -474,7 +475,7 @@ def _add_state(pieces: Pieces, key: tuple[str, ...], layout: ParamLayout, slot: 
         param = layout.param
         if not isinstance(param, DTensor) or (value.placements, value.shape) != (param.placements, param.shape):
             raise ValueError(f"Optimizer state {key[2]!r} of {slot.name} is not laid out like its parameter")
-        slot.add_to(pieces, key, value.to_local())
+        _fsdp2.dtensor_pieces(pieces, key, slot, value)
     elif isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == layout.local_shape:
         slot.add_to(pieces, key, value)
     elif isinstance(value, torch.Tensor) and value.dim() > 0 and not slot.is_whole:
