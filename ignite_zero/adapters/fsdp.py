@@ -305,8 +305,10 @@ class FSDPOptimizerState(_FSDPState):
             return get_optimizer_state_dict(self.module, self.obj, options=StateDictOptions(full_state_dict=False))
 
     def sharded_template(self, saved: set[tuple[Any, ...]]) -> dict[str, Any] | None:
-        """New tensors laid out like this rank's optimizer state; ``None`` when the checkpoint holds no state."""
-        if not any(path[:1] == ("state",) for path in saved):
+        """New tensors laid out like this rank's optimizer state; ``None`` when the checkpoint holds no state, or
+        holds it by index (a plain optimizer's, read whole and then put by name)."""
+        names = {slot.name for layout in _param_layouts(self.module).values() for slot in layout.slots}
+        if not any(path[:1] == ("state",) and path[1] in names for path in saved if len(path) > 1):
             return None
         with _quiet_state_dict_apis():  # an optimizer without state gets it from a step with zero gradients
             return _fresh(
