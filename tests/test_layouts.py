@@ -13,6 +13,7 @@ its data-parallel submesh, which does not span the world). One 4-rank launch cov
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,13 +25,14 @@ from ignite.engine import Engine
 from launcher import run_ranks
 from test_fsdp import _assert_states, _full_optimizer_state, _gather, _train
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
+from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, sharded
 
 pytestmark = pytest.mark.distributed
 
@@ -163,6 +165,7 @@ def _save_layout(rank: int, layout: str, directory: Path, recipient: int) -> Non
     _save(model, optimizer, directory / layout, recipient)
     if rank == recipient:
         _assert_states(torch.load(_path(directory, layout, "pt"), weights_only=True), saved, exact=True)
+        _assert_written_once(_path(directory, layout, "dcp"))
     _train(model, optimizer, MORE_STEPS, tokens=True)
     uninterrupted = _gather(model, optimizer, recipient)
     for mode in MODES:
@@ -173,6 +176,14 @@ def _save_layout(rank: int, layout: str, directory: Path, recipient: int) -> Non
         if rank == recipient:
             _assert_states(again, saved, exact=True)
             _assert_states(after, uninterrupted, exact=True)
+
+
+def _assert_written_once(directory: Path) -> None:
+    """The blocks of every tensor in a sharded checkpoint add up to the tensor: replicas wrote nothing twice."""
+    for name, entry in sharded.read_metadata(directory).state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            written = sum(math.prod(chunk.sizes) for chunk in entry.chunks)
+            assert written == math.prod(entry.size), f"{name}: {written} elements written of {math.prod(entry.size)}"
 
 
 def _resume_across(rank: int, target: str, directory: Path, source: str) -> None:

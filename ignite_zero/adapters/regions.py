@@ -1,4 +1,10 @@
-"""Regions of full tensors that ranks hold (FSDP shards), assembled on one rank through the transport."""
+"""Regions of full tensors that ranks hold, assembled on one rank through the transport.
+
+A region is an N-D block of its full tensor (:class:`Box`): a DTensor's local shard on any mesh (HSDP, FSDP2 over
+tensor parallelism: one block, whatever the placements), or a range of the flattened tensor (FSDP1's and
+fairscale's flat shards). The recipient checks that the distinct blocks of each tensor tile it exactly, takes each
+from one rank (replicas send nothing), and receives it in place.
+"""
 
 from __future__ import annotations
 
