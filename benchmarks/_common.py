@@ -43,6 +43,7 @@ __all__ = [
     "each_configuration",
     "fsdp2_adam_after_one_step",
     "fsync",
+    "interleaved",
     "launch",
     "measure",
     "parser",
@@ -216,6 +217,15 @@ def zero_adam_after_one_step(model: nn.Module) -> ZeroRedundancyOptimizer:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return optimizer
+
+
+def interleaved(paths: Sequence[str], runs: int) -> Iterator[tuple[bool, str]]:
+    """``(measured, path)``: every path once per round, in an order that rotates each round, for ``runs`` measured
+    rounds after one that is not (it warms up connections, caches, allocators and staging buffers)."""
+    for run in range(runs + 1):
+        shift = run % len(paths)
+        for name in [*paths[shift:], *paths[:shift]]:
+            yield run > 0, name
 
 
 def fsync(path: Path) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import each_configuration, fsdp2_adam_after_one_step, fsync, measure, parser, summary
+from _common import each_configuration, fsdp2_adam_after_one_step, fsync, interleaved, measure, parser, summary
 from ignite.engine import Engine
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -59,18 +59,16 @@ def _rank(rank: int, world_size: int, count: int, runs: int, directory: Path, *p
 
     operations = {"ignite_zero": save_ours, "get_state_dict": save_torch}
     records: dict[str, list[tuple[float, int]]] = {path: [] for path in paths}
-    for run in range(runs + 1):  # the first round warms up connections, caches and the allocator
-        order = paths[run % len(paths) :] + paths[: run % len(paths)]
-        for name in order:
-            dist.barrier()
-            with measure() as measurement:
-                operations[name]()
-            dist.barrier()
-            if run:
-                records[name].append((measurement.seconds, measurement.growth))
-            if rank == 0:
-                for leftover in directory.rglob("*.pt"):
-                    leftover.unlink()
+    for measured, name in interleaved(paths, runs):
+        dist.barrier()
+        with measure() as measurement:
+            operations[name]()
+        dist.barrier()
+        if measured:
+            records[name].append((measurement.seconds, measurement.growth))
+        if rank == 0:
+            for leftover in directory.rglob("*.pt"):
+                leftover.unlink()
     return {"records": records}
 
 

@@ -63,7 +63,7 @@ def _units(module: nn.Module) -> list[_Unit]:
     return units
 
 
-def check(module: nn.Module, world_size: int) -> None:
+def check(module: nn.Module) -> None:
     """Refuse, locally, what the gather cannot consolidate.
 
     Every sharding strategy is supported, the hybrid ones (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``: shards

@@ -50,7 +50,7 @@ def reshard(module: nn.Module) -> None:
             m.reshard()
 
 
-def check(module: nn.Module, world_size: int) -> None:
+def check(module: nn.Module) -> None:
     """Refuse, locally, what the gather cannot consolidate: the same error on every rank that holds the tensor.
 
     Any mesh is supported, over the whole world or a part of it (ranks outside a tensor's mesh hold none of it).
@@ -94,7 +94,8 @@ def _mesh_text(mesh: DeviceMesh) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _layout(mesh: DeviceMesh, placements: Sequence[Placement]) -> MeshLayout:
-    # One object per (mesh, placements): pickle writes it once per manifest, however many tensors share it.
+    # One object per (mesh, placements): pickle writes it once per manifest, however many tensors share it (a
+    # mesh of 1024 ranks would otherwise add 1024 numbers per tensor). Meshes live as long as training anyway.
     return MeshLayout(tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()), str(tuple(placements)))
 
 

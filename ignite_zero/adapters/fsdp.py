@@ -42,7 +42,6 @@ from ignite_zero.adapters import _fsdp1, _fsdp2
 from ignite_zero.adapters._fsdp_common import ParamLayout, Slot, add_value, clean_name, whole_slot
 from ignite_zero.adapters.base import ShardedState
 from ignite_zero.adapters.regions import Pieces, gather_pieces
-from ignite_zero.agreement import rank_and_world
 
 __all__ = [
     "FSDPModelState",
@@ -161,7 +160,7 @@ class _FSDPState(ShardedState):
             RuntimeError: this torch's FSDP1 lacks the internals read to find its shards.
         """
         super().check()
-        _kind(self.module).check(self.module, rank_and_world()[1])
+        _kind(self.module).check(self.module)
 
 
 class FSDPModelState(_FSDPState):
