@@ -1,7 +1,8 @@
 """Every DTensor layout on 4 gloo ranks with CPU meshes: HSDP ``(Replicate(), Shard(0))``, FSDP2 over tensor
 parallelism ``(_StridedShard(0, sf=2), Shard(0))``, FSDP1 hybrid sharding from a mesh and from a pair of process
-groups, saved in both modes (one file through the recipient, or a sharded DCP directory) and loaded across layouts
-and world sizes: into 1-D FSDP2 and FSDP1 on 2 ranks, into a plain module in one process, and the other way round.
+groups, saved in both modes (one file through the recipient, also asynchronously, or a sharded DCP directory; each
+block written once) and loaded across layouts and world sizes: into 1-D FSDP2 and FSDP1 on 2 ranks, into a plain
+module in one process, and the other way round.
 
 Every layout trains next to an unsharded twin on the same batches (the same on every rank): what it saves is close to
 the twin's state, and a resume on the same layout is bitwise equal to the uninterrupted run. The model has tied
@@ -134,13 +135,21 @@ def _build(layout: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, _adam(model)
 
 
-def _save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, recipient: int) -> None:
-    """Both modes, as users save: one file written by the recipient, and a sharded directory."""
+def _save(
+    model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, recipient: int, background: bool = False
+) -> None:
+    """Both modes, as users save: one file written by the recipient, and a sharded directory; with ``background``,
+    also the file saved asynchronously, in ``directory / "async"``."""
     engine = Engine(lambda e, b: None)
     engine.state.iteration = 1
     to_save = {"model": model, "optimizer": optimizer}
     Checkpoint(to_save, DiskSaver(directory, require_empty=False), consolidate_recipient_rank=recipient)(engine)
     Checkpoint(to_save, ShardedSaver(directory, require_empty=False), consolidate_recipient_rank=recipient)(engine)
+    if background:
+        saver = DiskSaver(directory / "async")
+        checkpoint = Checkpoint(to_save, saver, consolidate_recipient_rank=recipient, async_save=True)
+        checkpoint(engine)
+        checkpoint.wait()
 
 
 def _path(directory: Path, layout: str, mode: str) -> Path:
@@ -162,9 +171,11 @@ def _save_layout(rank: int, layout: str, directory: Path, recipient: int) -> Non
     if rank == recipient:
         _assert_states(saved, _twin(len(SAVE_STEPS)), exact=False)
         assert saved["model"]["out.weight"] is saved["model"]["emb.weight"]  # tied: one tensor
-    _save(model, optimizer, directory / layout, recipient)
+    _save(model, optimizer, directory / layout, recipient, background=True)
     if rank == recipient:
         _assert_states(torch.load(_path(directory, layout, "pt"), weights_only=True), saved, exact=True)
+        in_background = torch.load(directory / layout / "async" / "checkpoint_1.pt", weights_only=True)
+        _assert_states(in_background, saved, exact=True)
         _assert_written_once(_path(directory, layout, "dcp"))
     _train(model, optimizer, MORE_STEPS, tokens=True)
     uninterrupted = _gather(model, optimizer, recipient)
