@@ -618,6 +618,10 @@ def test_blocks_that_overlap_leave_gaps_or_disagree_are_errors() -> None:
     class Layout(NamedTuple):
         ranks: tuple[int, ...]
 
+    # a strided shard whose local tensor is not one block: torch's first offset and local shape overlap a peer's
+    strided = (Layout((0, 1)), Layout((0, 1)))
+    with pytest.raises(RuntimeError, match=r"overlap: .* \(held as Layout.*\); is each rank's local tensor one block"):
+        regions_module._choose_sources(manifests(Box((4,), (0,), (2,)), Box((4,), (1,), (2,)), layouts=strided), 0)
     # rank 0 holds w on a mesh of ranks (0, 1) and rank 1 on a mesh of its own: they must agree
     with pytest.raises(RuntimeError, match=r"Ranks disagree on how they hold w: .* on rank 0, .* on rank 1"):
         regions_module._choose_sources(

@@ -178,7 +178,8 @@ def _check_cover(key: tuple[Any, ...], boxes: list[Box], space: tuple[int, ...],
     Raises:
         RuntimeError: naming the tensor, the boxes and how the ranks hold it.
     """
-    held = f" (held as {', '.join(sorted(map(str, layouts)))})" if layouts - {None} else ""
+    described = sorted(str(layout) for layout in layouts if layout is not None)
+    held = f" (held as {', '.join(described)})" if described else ""
     if len(boxes) > 1:
         # Vectorised: ranks x ranks comparisons stay fast at thousands of pieces.
         start = torch.tensor([box.offsets for box in boxes], dtype=torch.int64)
@@ -187,7 +188,8 @@ def _check_cover(key: tuple[Any, ...], boxes: list[Box], space: tuple[int, ...],
         overlap.fill_diagonal_(False)
         if overlap.any():
             a, b = (int(i) for i in overlap.nonzero()[0])
-            raise RuntimeError(f"Pieces of {_name(key)} overlap: {boxes[a]} and {boxes[b]}{held}")
+            hint = "; is each rank's local tensor one block of the full tensor?" if held else ""
+            raise RuntimeError(f"Pieces of {_name(key)} overlap: {boxes[a]} and {boxes[b]}{held}{hint}")
     covered = sum(box.numel for box in boxes)
     if covered != math.prod(space):
         raise RuntimeError(f"Pieces of {_name(key)} cover {covered} of its {math.prod(space)} elements{held}")
