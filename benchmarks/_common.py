@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -42,6 +43,7 @@ __all__ = [
     "each_configuration",
     "fsdp2_adam_after_one_step",
     "fsync",
+    "interleaved",
     "launch",
     "measure",
     "parser",
@@ -191,13 +193,15 @@ class ZeROParameters(nn.Module):
         self.weights = nn.ParameterList(nn.Parameter(torch.randn(size) * 0.01) for size in sizes)
 
 
-def fsdp2_adam_after_one_step(count: int, width: int = 2048) -> tuple[nn.Module, torch.optim.Optimizer]:
+def fsdp2_adam_after_one_step(
+    count: int, width: int = 2048, mesh: DeviceMesh | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """About ``count`` parameters in ``width x width`` linear layers, each an FSDP2 unit (``fully_shard``) over
-    the whole world, and Adam on them with its state created by one step."""
+    ``mesh`` (the whole world by default; a 2-D mesh for HSDP), and Adam on them with its state created by one step."""
     model = nn.Sequential(*(nn.Linear(width, width) for _ in range(max(1, round(count / (width * width + width))))))
     for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model(torch.randn(2, width)).sum().backward()
     optimizer.step()
@@ -213,6 +217,15 @@ def zero_adam_after_one_step(model: nn.Module) -> ZeroRedundancyOptimizer:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return optimizer
+
+
+def interleaved(paths: Sequence[str], runs: int) -> Iterator[tuple[bool, str]]:
+    """``(measured, path)``: every path once per round, in an order that rotates each round, for ``runs`` measured
+    rounds after one that is not (it warms up connections, caches, allocators and staging buffers)."""
+    for run in range(runs + 1):
+        shift = run % len(paths)
+        for name in [*paths[shift:], *paths[:shift]]:
+            yield run > 0, name
 
 
 def fsync(path: Path) -> None:

@@ -34,6 +34,7 @@ from _common import (
     arguments,
     each_configuration,
     fsync,
+    interleaved,
     measure,
     summary,
     zero_adam_after_one_step,
@@ -92,19 +93,17 @@ def _rank(rank: int, world_size: int, count: int, runs: int, directory: Path, *p
         "torch.save": save_floor,
     }
     records: dict[str, list[tuple[float, int, int]]] = {path: [] for path in paths}
-    for run in range(runs + 1):  # the first round warms up connections, caches and the allocator
-        order = paths[run % len(paths) :] + paths[: run % len(paths)]
-        for name in order:
-            dist.barrier()
-            with measure() as measurement:
-                written = operations[name]()
-            dist.barrier()
-            size = written.stat().st_size if rank == 0 else 0
-            if run and (rank == 0 or name != "torch.save"):
-                records[name].append((measurement.seconds, measurement.growth, size))
-            if rank == 0:
-                for leftover in directory.rglob("*.pt"):
-                    leftover.unlink()
+    for measured, name in interleaved(paths, runs):
+        dist.barrier()
+        with measure() as measurement:
+            written = operations[name]()
+        dist.barrier()
+        size = written.stat().st_size if rank == 0 else 0
+        if measured and (rank == 0 or name != "torch.save"):
+            records[name].append((measurement.seconds, measurement.growth, size))
+        if rank == 0:
+            for leftover in directory.rglob("*.pt"):
+                leftover.unlink()
     shard = sum(t.numel() * t.element_size() for s in optimizer.optim.state.values() for t in s.values() if t.dim())
     return {"records": records, "shard": shard}
 

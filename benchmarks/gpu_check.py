@@ -5,7 +5,8 @@
 
 World size 1 on one GPU: the default process group is NCCL, and the adapters move host data over the gloo
 group ``ignite_zero.groups.cpu_group`` makes. For FSDP1 (flat and original parameters), FSDP1 with
-``CPUOffload(offload_params=True)``, FSDP2 and FSDP2 with ``CPUOffloadPolicy``, a model and its unsharded twin
+``CPUOffload(offload_params=True)``, FSDP2, FSDP2 with ``CPUOffloadPolicy`` and HSDP (FSDP2 on a 1 x 1 device
+mesh: placements ``(Replicate(), Shard(0))``, CUDA DTensors), a model and its unsharded twin
 (plain module and Adam on the GPU) train alike for 3 steps, then:
 
 - save: ``FSDPModelState``/``FSDPOptimizerState.state_dict()`` return plain CPU tensors only, close to the twin's
@@ -51,6 +52,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from ignite.engine import Engine  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import (  # noqa: E402
     CPUOffload,
     CPUOffloadPolicy,
@@ -107,6 +109,13 @@ def _fsdp2(**options: Any) -> Callable[[nn.Module, torch.device], nn.Module]:
     return shard
 
 
+def _hsdp(model: nn.Module, device: torch.device) -> nn.Module:
+    """FSDP2 on a 2-D mesh of the one rank (HSDP's placements ``(Replicate(), Shard(0))``), made once the process
+    group exists."""
+    mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=("replicate", "shard"))
+    return _fsdp2(mesh=mesh)(model, device)
+
+
 # name -> (how to shard, whether the parameters live on the CPU, whether it needs an accelerator)
 SETUPS: dict[str, tuple[Callable[[nn.Module, torch.device], nn.Module], bool, bool]] = {
     "fsdp1": (_fsdp1(), False, False),
@@ -114,6 +123,7 @@ SETUPS: dict[str, tuple[Callable[[nn.Module, torch.device], nn.Module], bool, bo
     "fsdp1_cpu_offload": (_fsdp1(cpu_offload=CPUOffload(offload_params=True)), True, True),
     "fsdp2": (_fsdp2(), False, False),
     "fsdp2_cpu_offload": (_fsdp2(offload_policy=CPUOffloadPolicy()), True, True),
+    "hsdp": (_hsdp, False, False),
 }
 
 

@@ -1,10 +1,13 @@
 """Host memory of FSDP checkpoints, per rank: ignite_zero's adapters against ignite 0.5.5's ``Checkpoint``.
 
-    python benchmarks/memory.py                    # FSDP1 and FSDP2, 2 ranks, 29.7M parameters in 8 units
-    python benchmarks/memory.py --kinds fsdp2
+    python benchmarks/memory.py                    # every kind, 29.7M parameters in 8 units
+    python benchmarks/memory.py --kinds fsdp2 hsdp
 
 Each kind shards the same model (8 blocks of 3.7M parameters, one FSDP unit each, plus a small root unit),
-trains two Adam steps on 2 gloo ranks (CPU), then saves and loads ``{"model", "optimizer"}`` both ways:
+trains two Adam steps on gloo ranks (CPU), then saves and loads ``{"model", "optimizer"}`` both ways. FSDP1 and
+FSDP2 run on 2 ranks; ``hsdp`` (FSDP2 on a 2 x 2 mesh, ``(Replicate(), Shard(0))``) and ``tp`` (FSDP2 over tensor
+parallelism on a 2 x 2 mesh: the blocks' layers alternately column- and row-wise parallel, ``(_StridedShard(0),
+Shard(0))`` and ``(Shard(0), Shard(1))``) on 4:
 
 - ``ignite_zero``: ``FSDPModelState`` and ``FSDPOptimizerState`` gather the full state on rank 1, which writes it
   with ``ignite_zero.DiskSaver``; loading reads the file with ``torch.load(mmap=True)`` on every rank and each
@@ -42,14 +45,18 @@ from ignite.engine import Engine
 from ignite.handlers import Checkpoint as IgniteCheckpoint
 from ignite.handlers import DiskSaver as IgniteDiskSaver
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ignite_zero import DiskSaver
 from ignite_zero.adapters.fsdp import FSDPModelState, FSDPOptimizerState
 
 MiB = 2**20
-WIDTH, BLOCKS, WORLD_SIZE, RECIPIENT, IGNITE_WRITER = 1920, 8, 2, 1, 0
+WIDTH, BLOCKS, RECIPIENT, IGNITE_WRITER = 1920, 8, 1, 0
+WORLD_SIZES = {"fsdp1": 2, "fsdp2": 2, "hsdp": 4, "tp": 4}
 
 
 class _Block(nn.Module):
@@ -77,9 +84,21 @@ def _shard(model: nn.Module, kind: str) -> nn.Module:
     if kind == "fsdp1":
         policy = ModuleWrapPolicy({_Block})
         return FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    mesh = None
+    if kind == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    elif kind == "tp":
+        tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = tp_mesh["dp"]
+        for index, block in enumerate(model.blocks):
+            # replicated in and out, so that the blocks stay plain; half of them column-, half row-wise
+            style = (
+                ColwiseParallel(output_layouts=Replicate()) if index % 2 else RowwiseParallel(input_layouts=Replicate())
+            )
+            parallelize_module(block, tp_mesh["tp"], {"lin": style})
     for block in model.blocks:
-        fully_shard(block)
-    return fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -173,10 +192,10 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
     unit = _unit_state_bytes()
     other_bound = 2 * unit + 16 * MiB
     lines = [
-        f"{WORLD_SIZE} ranks; recipient: rank {RECIPIENT} for ignite_zero, the writer (rank {IGNITE_WRITER}) for "
-        f"ignite. Growth in MiB: RSS for saves, RssAnon for loads. Bounds: other ranks 2 x {unit / MiB:.0f} MiB "
-        "(largest unit's parameters + Adam) + 16 MiB; recipient 1.1 x the full state on saves, the other ranks' "
-        "bound on loads. Ratio: ignite_zero / ignite.",
+        f"Recipient: rank {RECIPIENT} for ignite_zero, the writer (rank {IGNITE_WRITER}) for ignite; other: the "
+        f"worst other rank. Growth in MiB: RSS for saves, RssAnon for loads. Bounds: other ranks 2 x "
+        f"{unit / MiB:.0f} MiB (largest unit's parameters + Adam) + 16 MiB; recipient 1.1 x the full state on "
+        "saves, the other ranks' bound on loads. Ratio: ignite_zero / ignite.",
         "",
         f"{'kind':6} {'op':5} {'path':12} {'file':>6} {'recipient':>10} {'bound':>6} {'other':>6} {'bound':>6} "
         f"{'met':>4} {'seconds':>8} {'ratio recipient':>16} {'ratio other':>12}",
@@ -186,13 +205,14 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
         for op in ("save", "load"):
             measured: dict[str, tuple[int, int, float]] = {}
             for path, writer in (("ignite_zero", RECIPIENT), ("ignite", IGNITE_WRITER)):
-                cells = [ranks[rank]["results"][(op, path)] for rank in (writer, 1 - writer)]
+                cells = [ranks[writer]["results"][(op, path)]]
+                cells += [rank["results"][(op, path)] for index, rank in enumerate(ranks) if index != writer]
                 failures = [cell for cell in cells if isinstance(cell, str)]
                 if failures:
                     lines.append(f"{kind:6} {op:5} {path:12} failed: {failures[0]}")
                     continue
-                recipient, other = (cell.growth if op == "save" else cell.anon_growth for cell in cells)
-                measured[path] = (recipient, other, max(cell.seconds for cell in cells))
+                recipient, *others = (cell.growth if op == "save" else cell.anon_growth for cell in cells)
+                measured[path] = (recipient, max(others), max(cell.seconds for cell in cells))
             for path, (recipient, other, seconds) in measured.items():
                 recipient_bound = 1.1 * full if op == "save" else other_bound
                 met = recipient <= recipient_bound and other <= other_bound
@@ -205,20 +225,20 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
                     f"{recipient_bound / MiB:>6.0f} {other / MiB:>+6.0f} {other_bound / MiB:>6.0f} "
                     f"{'yes' if met else 'NO':>4} {seconds:>8.2f} {ratios[0]:>16} {ratios[1]:>12}"
                 )
-        lines.append(f"{kind:6} full state: {full / MiB:.0f} MiB (model + optimizer)")
+        lines.append(f"{kind:6} full state: {full / MiB:.0f} MiB (model + optimizer), {len(ranks)} ranks")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", nargs="+", default=["fsdp1", "fsdp2"], choices=["fsdp1", "fsdp2"])
+    parser.add_argument("--kinds", nargs="+", default=list(WORLD_SIZES), choices=list(WORLD_SIZES))
     args = parser.parse_args(argv)
     directory = scratch_directory() / f"ignite_zero-memory-{os.getpid()}"
     directory.mkdir(parents=True)
     results = {}
     try:
         for kind in args.kinds:
-            results[kind] = launch(_rank, WORLD_SIZE, kind, directory)
+            results[kind] = launch(_rank, WORLD_SIZES[kind], kind, directory)
             for path in directory.glob("*.pt"):
                 path.unlink()
     finally:

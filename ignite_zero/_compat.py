@@ -189,6 +189,48 @@ def serialization_crc32() -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------------------------------
+# DTensor layouts (for ignite_zero.adapters._fsdp2): where a rank's local tensor sits in the full tensor.
+
+__all__ += ["dtensor_block", "unsupported_placement"]
+
+
+def dtensor_block(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The global offsets and sizes of this rank's local tensor of the DTensor ``tensor``: one block of the full
+    tensor, on any mesh and with any ``Shard``, ``_StridedShard`` and ``Replicate`` placements.
+
+    From torch's own ``compute_local_shape_and_global_offset`` (what DCP records for each DTensor shard), so that
+    uneven, empty and strided shards follow torch wherever it changes its rules. A rank outside the tensor's mesh
+    holds an empty block.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if len(offsets) != tensor.ndim:  # this rank is not part of the mesh
+        return (0,) * tensor.ndim, (0,) * tensor.ndim
+    return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
+
+
+def unsupported_placement(placement: Any) -> str | None:
+    """Why a DTensor placement cannot be checkpointed, or ``None`` for ``Shard``, ``Replicate`` and
+    ``_StridedShard`` (private in torch: what ``fully_shard`` puts over a tensor-parallel ``Shard``)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if type(placement) in (Shard, Replicate, _StridedShard):
+        return None
+    if isinstance(placement, Partial):
+        return (
+            "a pending reduction (Partial): each rank holds a partial sum, not a part of the value; "
+            "reduce it first (`redistribute(placements=[Replicate()])` or `full_tensor()`) or keep it out of "
+            "the checkpointed state"
+        )
+    return (
+        f"a custom placement ({type(placement).__qualname__}) whose layout ignite_zero cannot know; "
+        "use Shard, Replicate or fully_shard's strided shards"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
 # FSDP1 internals: the FlatParameter layout (for ignite_zero.adapters.fsdp).
 #
 # FSDP1 has no public way to read one rank's shard parameter by parameter: its state-dict paths unshard

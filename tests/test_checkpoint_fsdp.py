@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 from ignite.engine import Engine, Events
 from launcher import run_ranks
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial
 from training import assert_state_equal, mixed_objects, mixed_twin, shard, small_net, tiny_model
 
 from ignite_zero import Checkpoint, DiskSaver, RankFailureError
@@ -97,15 +98,16 @@ def _misuse(rank, world_size, directory):
     optimizer.step()
     with pytest.raises(RankFailureError, match=r"The optimizer \['optimizer'\] updates parameters sharded by FSDP"):
         Checkpoint({"optimizer": optimizer}, DiskSaver(directory))(Engine(lambda e, b: None))
-    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
-    hybrid = fully_shard(small_net(), mesh=mesh)
-    with pytest.raises(RankFailureError, match="not supported yet"):
-        Checkpoint({"model": hybrid}, DiskSaver(directory))(Engine(lambda e, b: None))
+    pending = shard(small_net(), "fsdp2")
+    mesh = init_device_mesh("cpu", (world_size,))
+    pending[0].weight = nn.Parameter(DTensor.from_local(torch.ones(9, 7), mesh, [Partial()]))
+    with pytest.raises(RankFailureError, match=r"0.weight has placements \(Partial\(sum\),\).*pending reduction"):
+        Checkpoint({"model": pending}, DiskSaver(directory))(Engine(lambda e, b: None))
     value = torch.ones(1)
     dist.all_reduce(value)
     return value.item()
 
 
-def test_an_optimizer_without_its_model_and_hsdp_are_clear_errors(tmp_path):
+def test_an_optimizer_without_its_model_and_a_pending_reduction_are_clear_errors(tmp_path):
     assert run_ranks(_misuse, 2, tmp_path) == [2.0, 2.0]
     assert list(tmp_path.iterdir()) == []

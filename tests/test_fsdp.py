@@ -30,7 +30,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Shard
 from training import assert_state_equal
 
 from ignite_zero.adapters.fsdp import (
@@ -491,21 +491,57 @@ def _checks(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="mixes FSDP1"):
         FSDPModelState(mixed).check()
 
-    # HSDP / 2-D meshes, and sharding over a subgroup, are refused before any communication
+    # 2-D meshes, hybrid sharding and sharding over a subgroup: each block taken from one of its replicas
     mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
-    hsdp1 = FullyShardedDataParallel(
-        Net(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=torch.device("cpu"), device_mesh=mesh
-    )
-    hsdp2 = fully_shard(Net(), mesh=init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard")))
-    for model in (hsdp1, hsdp2):
-        with pytest.raises(ValueError, match="not supported yet"):
-            FSDPModelState(model).check()
     alone = [dist.new_group([r]) for r in range(world_size)][rank]
-    sub1 = FullyShardedDataParallel(Net(), device_id=torch.device("cpu"), process_group=alone)
-    sub2 = fully_shard(Net(), mesh=init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "shard"))["shard"])
-    for model in (sub1, sub2):
-        with pytest.raises(ValueError, match="subgroup is not supported yet"):
-            FSDPModelState(model).check()
+    columns = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "shard"))
+    replicated = {
+        "fsdp1 hybrid, mesh": lambda net: FullyShardedDataParallel(
+            net, sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=torch.device("cpu"), device_mesh=mesh
+        ),
+        "fsdp1 subgroup": lambda net: FullyShardedDataParallel(net, device_id=torch.device("cpu"), process_group=alone),
+        "fsdp2 hsdp": lambda net: fully_shard(net, mesh=columns),
+        "fsdp2 subgroup": lambda net: fully_shard(net, mesh=columns["shard"]),
+    }
+    for shard_it in replicated.values():
+        torch.manual_seed(0)
+        model = shard_it(Net())
+        FSDPModelState(model).check()
+        saved = FSDPModelState(model, 1).state_dict()
+        if rank == 1:
+            assert_state_equal(saved, plain.state_dict())
+
+    # Pending reductions, custom placements and meshes that differ between ranks of one mesh: errors on every rank
+    # that name the parameter and its placements
+    one_d = init_device_mesh("cpu", (world_size,))
+    partial = _wrap(Net(), "fsdp2")
+    partial.head.weight = nn.Parameter(DTensor.from_local(torch.ones(3, 13), one_d, [Partial()]))
+    with pytest.raises(ValueError, match=r"head.weight has placements \(Partial\(sum\),\) .* pending reduction"):
+        FSDPModelState(partial).check()
+
+    class Halves(Shard):
+        """A custom placement: a Shard subclass whose layout only its author knows."""
+
+    custom = _wrap(Net(), "fsdp2")
+    custom.head.weight = nn.Parameter(DTensor.from_local(torch.ones(2, 13), one_d, [Halves(0)], run_check=False))
+    with pytest.raises(ValueError, match=r"head.weight has placements .* custom placement \(.*Halves\)"):
+        FSDPModelState(custom).check()
+
+    # rank 0 shards over a mesh of both ranks, rank 1 believes it holds everything on a mesh of its own
+    names = ("replicate", "shard")
+    meshes = [
+        init_device_mesh("cpu", (1, world_size), mesh_dim_names=names),
+        init_device_mesh("cpu", (world_size, 1), mesh_dim_names=names),
+    ]
+    differing = fully_shard(Net(), mesh=meshes[rank])
+    disagree = (
+        r"Ranks disagree on how they hold tiny: .* on a \(1, 2\) mesh .* on rank 0, .* \(2, 1\) mesh .* on rank 1"
+    )
+    with pytest.raises(RuntimeError, match=disagree):
+        FSDPModelState(differing).state_dict()
+    value = torch.ones(1)
+    dist.all_reduce(value)  # the group is still usable
+    assert value.item() == world_size
 
 
 @pytest.mark.distributed

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FlatParameter, FullyShardedDataParallel, ShardingStrategy
 
@@ -41,7 +40,7 @@ class _Unit:
     def slot(self, entry: _compat.FlatParamEntry, in_flat_shard: bool) -> Slot:
         """Where ``entry``'s elements sit in the flat shard (``in_flat_shard``) or in its own local tensor."""
         offset = entry.shard_offset if in_flat_shard else 0
-        return Slot(self.name(entry.name), entry.shape, -1, entry.full_offset, entry.shard_numel, offset)
+        return Slot.flat(self.name(entry.name), entry.shape, entry.full_offset, entry.shard_numel, offset)
 
 
 def _units(module: nn.Module) -> list[_Unit]:
@@ -64,27 +63,18 @@ def _units(module: nn.Module) -> list[_Unit]:
     return units
 
 
-def check(module: nn.Module, world_size: int) -> None:
+def check(module: nn.Module) -> None:
     """Refuse, locally, what the gather cannot consolidate.
 
+    Every sharding strategy is supported, the hybrid ones (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``: shards
+    replicated over groups of ranks, from a device mesh or a pair of process groups) and units that shard over a
+    subgroup included: the gather takes each shard from one of its replicas.
+
     Raises:
-        ValueError: a hybrid strategy (HSDP), or a unit whose process group is not the whole world.
         RuntimeError: this torch's FSDP1 no longer has the internals read here.
     """
     for unit in FullyShardedDataParallel.fsdp_modules(module):
         _compat.check_fsdp1_layout(unit)
-        strategy = unit.sharding_strategy
-        if "HYBRID" in strategy.name:
-            raise ValueError(
-                f"FSDP1 with {strategy.name} (HSDP: shards replicated over a 2-D layout of ranks) is not supported "
-                "yet; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD"
-            )
-        group_size = dist.get_world_size(unit.process_group)
-        if group_size != world_size:
-            raise ValueError(
-                f"An FSDP1 unit shards over a process group of {group_size} ranks, but the world has {world_size}: "
-                "sharding over a subgroup is not supported yet"
-            )
 
 
 def _plain_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:

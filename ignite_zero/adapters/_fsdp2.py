@@ -1,28 +1,36 @@
 """FSDP2 (``fully_shard``): where a rank's shards are, as pieces to send and as targets to load into.
 
-Sharded parameters and their element-wise optimizer state are ``DTensor``s on a 1-D device mesh; a rank's
-rows follow ``torch.chunk`` along the sharded dimension. Only public API is used. Any DTensor operation may
-be a collective (even ``t[0].numel()`` all-gathers), so DTensors are touched only through ``to_local()``,
-``shape``, ``stride()``, ``placements`` and ``device_mesh``.
+Sharded parameters and their element-wise optimizer state are ``DTensor``s on any device mesh: 1-D FSDP2,
+HSDP (``(Replicate(), Shard(0))``), FSDP2 over tensor parallelism (``(_StridedShard(0, sf), Shard(d))``), and
+units on different meshes. A rank's local tensor is one block of the full tensor, whose offsets and sizes come
+from torch's own DTensor metadata (:func:`ignite_zero._compat.dtensor_block`). Any DTensor operation may be a
+collective (even ``t[0].numel()`` all-gathers), so DTensors are touched only through ``to_local()``, ``shape``,
+``stride()``, ``placements`` and ``device_mesh``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement
 
+from ignite_zero import _compat
 from ignite_zero.adapters._fsdp_common import LoadPlan, ParamLayout, Slot, add_value, clean_name, whole_slot
-from ignite_zero.adapters.regions import Pieces
+from ignite_zero.adapters.regions import Box, Pieces
 
 __all__ = [
+    "MeshLayout",
     "check",
     "dtensor_like",
+    "dtensor_pieces",
     "dtensor_slot",
     "model_pieces",
     "param_layouts",
@@ -42,51 +50,70 @@ def reshard(module: nn.Module) -> None:
             m.reshard()
 
 
-def check(module: nn.Module, world_size: int) -> None:
-    """Refuse, locally, what the gather cannot consolidate.
+def check(module: nn.Module) -> None:
+    """Refuse, locally, what the gather cannot consolidate: the same error on every rank that holds the tensor.
+
+    Any mesh is supported, over the whole world or a part of it (ranks outside a tensor's mesh hold none of it).
 
     Raises:
-        ValueError: a parameter on a device mesh that is not 1-D (HSDP, FSDP2 with tensor parallelism), placed
-            otherwise than ``Shard``/``Replicate``, or on a mesh that does not span the world.
+        ValueError: a parameter or buffer with a ``Partial`` placement (a pending reduction) or a placement other
+            than ``Shard``, ``Replicate`` and FSDP2's strided shard, naming the tensor and its placements.
     """
     reshard(module)
-    for name, param in module.named_parameters():
-        if not isinstance(param, DTensor):
+    named = [*module.named_parameters(), *module.named_buffers()]
+    for name, tensor in named:
+        if not isinstance(tensor, DTensor):
             continue
-        mesh = param.device_mesh
-        if mesh.ndim != 1:
-            raise ValueError(
-                f"Parameter {clean_name(name)} is sharded over a {mesh.ndim}-D device mesh (placements "
-                f"{param.placements}): HSDP and 2-D parallelism are not supported yet; use a 1-D mesh"
-            )
-        if type(param.placements[0]) not in (Shard, Replicate):
-            raise ValueError(f"Parameter {clean_name(name)} has placement {param.placements[0]}: not supported yet")
-        if mesh.size() != world_size:
-            raise ValueError(
-                f"Parameter {clean_name(name)} is sharded over {mesh.size()} ranks, but the world has {world_size}: "
-                "sharding over a subgroup is not supported yet"
-            )
+        for placement in tensor.placements:
+            problem = _compat.unsupported_placement(placement)
+            if problem is not None:
+                raise ValueError(
+                    f"{clean_name(name)} has placements {tensor.placements} on {_mesh_text(tensor.device_mesh)}: "
+                    f"{placement} is {problem}"
+                )
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """How a rank holds a DTensor: its mesh (shape and global ranks, row-major) and placements.
+
+    Ranks of one mesh must agree on it; :func:`ignite_zero.adapters.regions.gather_pieces` compares them.
+    """
+
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+    placements: str
+
+    def __str__(self) -> str:
+        return f"placements {self.placements} on a {self.shape} mesh of ranks {list(self.ranks)}"
+
+
+def _mesh_text(mesh: DeviceMesh) -> str:
+    return f"a {tuple(mesh.shape)} mesh of ranks {mesh.mesh.flatten().tolist()}"
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(mesh: DeviceMesh, placements: Sequence[Placement]) -> MeshLayout:
+    # One object per (mesh, placements): pickle writes it once per manifest, however many tensors share it (a
+    # mesh of 1024 ranks would otherwise add 1024 numbers per tensor). Meshes live as long as training anyway.
+    return MeshLayout(tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()), str(tuple(placements)))
 
 
 def dtensor_slot(name: str, tensor: DTensor) -> Slot:
-    """Where this rank's local tensor of ``tensor`` sits in the full tensor."""
-    shape = tuple(tensor.shape)
-    placement = tensor.placements[0]
-    if not isinstance(placement, Shard):  # Replicate: `check` refuses anything else
-        return Slot(name, shape, -1, 0, math.prod(shape))
-    dim = placement.dim % len(shape)
-    mesh = tensor.device_mesh
-    size = shape[dim]
-    chunk = -(-size // mesh.size())  # torch.chunk: trailing ranks may hold nothing
-    start = min(mesh.get_local_rank() * chunk, size)
-    length = min(chunk, size - start)
-    local_rows = tensor.to_local().shape[dim]
-    if local_rows != length:
-        raise RuntimeError(f"{name}: this rank holds {local_rows} rows along dim {dim}, expected {length}")
-    if dim == 0:  # a block of rows is one flat range: received in place, no staging
-        row = math.prod(shape[1:])
-        return Slot(name, shape, -1, start * row, length * row)
-    return Slot(name, shape, dim, start, length)
+    """Where this rank's local tensor of ``tensor`` sits in the full tensor: a block, from torch's metadata."""
+    offsets, sizes = _compat.dtensor_block(tensor)
+    local = tuple(tensor.to_local().shape)
+    if local != sizes and math.prod(sizes) + math.prod(local) > 0:
+        raise RuntimeError(
+            f"{name}: this rank holds a local tensor of shape {local}, but its placements {tensor.placements} give "
+            f"{sizes}; please report it"
+        )
+    return Slot(name, Box(tuple(tensor.shape), offsets, sizes))
+
+
+def dtensor_pieces(pieces: Pieces, key: tuple[Any, ...], slot: Slot, tensor: DTensor) -> None:
+    """Add this rank's block of ``tensor`` (laid out like the parameter of ``slot``), with its mesh and placements."""
+    slot.add_to(pieces, key, tensor.to_local(), _layout(tensor.device_mesh, tuple(tensor.placements)))
 
 
 def dtensor_like(param: DTensor, local: torch.Tensor) -> DTensor:
@@ -114,7 +141,7 @@ def model_pieces(module: nn.Module) -> Pieces:
         if tied.get(name, name) != name:  # sent once, the same tensor under both names on the recipient
             pieces.add_alias((name,), (tied[name],))
         elif isinstance(value, DTensor):
-            dtensor_slot(name, value).add_to(pieces, (name,), value.to_local())
+            dtensor_pieces(pieces, (name,), dtensor_slot(name, value), value)
         else:
             add_value(pieces, (name,), value)
     return pieces

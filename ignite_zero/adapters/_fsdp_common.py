@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ignite_zero.adapters.regions import Pieces
+from ignite_zero.adapters.regions import Box, Pieces
 
 __all__ = ["LoadPlan", "ParamLayout", "Slot", "add_piece", "add_value", "clean_name", "whole_slot"]
 
@@ -32,45 +32,55 @@ def clean_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class Slot:
-    """This rank's elements of the parameter ``name`` of full shape ``shape``.
+    """This rank's elements of the parameter ``name``: the block ``box`` of the full tensor.
 
-    ``dim == -1``: elements ``[start, start + length)`` of the flattened full tensor, stored at
-    ``[offset, offset + length)`` of the flattened local tensor. ``dim >= 0``: rows ``[start, start + length)``
-    along ``dim`` of the full tensor, which are the whole local tensor.
+    A flat box (a range of the flattened full tensor, FSDP1's and fairscale's shards) is stored at
+    ``[offset, offset + length)`` of the flattened local tensor; any other box (a DTensor's shard) is the whole
+    local tensor.
     """
 
     name: str
-    shape: tuple[int, ...]
-    dim: int
-    start: int
-    length: int
+    box: Box
     offset: int = 0
+
+    @classmethod
+    def flat(cls, name: str, shape: tuple[int, ...], start: int, length: int, offset: int = 0) -> Slot:
+        """Elements ``[start, start + length)`` of the flattened parameter, at ``offset`` in the flat local tensor."""
+        return cls(name, Box.range(shape, start, length), offset)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The full parameter's shape."""
+        return self.box.shape
+
+    @property
+    def length(self) -> int:
+        """How many of the parameter's elements this rank holds."""
+        return self.box.numel
 
     def local_part(self, local: torch.Tensor) -> torch.Tensor:
         """The slot's elements in ``local``; a view (loading writes through it)."""
-        if self.dim == -1:
+        if self.box.flat:
             return local.view(-1)[self.offset : self.offset + self.length]
         return local
 
     def full_part(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's elements of ``full``, shaped as :meth:`local_part` returns them."""
-        if self.dim == -1:
-            return full.reshape(-1)[self.start : self.start + self.length]
-        return full.narrow(self.dim, self.start, self.length)
+        return self.box.view(full)
 
-    def add_to(self, pieces: Pieces, key: tuple[Any, ...], local: torch.Tensor) -> None:
+    def add_to(self, pieces: Pieces, key: tuple[Any, ...], local: torch.Tensor, layout: Any = None) -> None:
         """Add this slot's piece of ``local`` to ``pieces`` as part of the full tensor ``key``."""
-        add_piece(pieces, key, self.shape, self.local_part(local).detach(), self.dim, self.start)
+        add_piece(pieces, key, self.box, self.local_part(local).detach(), layout)
 
     @property
     def is_whole(self) -> bool:
         """Whether this rank holds the whole parameter, laid out as the full tensor."""
-        return self.dim == -1 and self.start == 0 and self.offset == 0 and self.length == math.prod(self.shape)
+        return self.box.is_whole and self.offset == 0
 
 
 def whole_slot(name: str, tensor: torch.Tensor) -> Slot:
     """The slot of a parameter that every rank holds whole (not sharded)."""
-    return Slot(name, tuple(tensor.shape), -1, 0, tensor.numel())
+    return Slot(name, Box.whole(tensor.shape))
 
 
 @dataclass
@@ -89,22 +99,20 @@ class ParamLayout:
     keeps_state: bool = True
 
 
-def add_piece(
-    pieces: Pieces, key: tuple[Any, ...], shape: tuple[int, ...], piece: torch.Tensor, dim: int, start: int
-) -> None:
+def add_piece(pieces: Pieces, key: tuple[Any, ...], box: Box, piece: torch.Tensor, layout: Any = None) -> None:
     """``pieces.add``, except that a full tensor without elements travels as a value: the transport needs
     pieces with elements, and such a tensor is known from its shape and dtype alone."""
-    if math.prod(shape) == 0:
-        pieces.values[key] = torch.empty(shape, dtype=piece.dtype)
+    if math.prod(box.shape) == 0:
+        pieces.values[key] = torch.empty(box.shape, dtype=piece.dtype)
         pieces.order.append(key)
     else:
-        pieces.add(key, shape, piece, dim, start)
+        pieces.add(key, box, piece, layout)
 
 
 def add_value(pieces: Pieces, key: tuple[Any, ...], value: Any) -> None:
     """``pieces.add_whole`` with the same care for tensors without elements as :func:`add_piece`."""
     if isinstance(value, torch.Tensor):
-        add_piece(pieces, key, tuple(value.shape), value.detach().reshape(-1), -1, 0)
+        add_piece(pieces, key, Box.whole(value.shape), value.detach())
     else:
         pieces.add_whole(key, value)
 

@@ -122,8 +122,8 @@ def _slot(held: _compat.FairscaleShardedParam, entry: _compat.FairscaleParamEntr
     first = max(entry.offset, held.start)
     last = min(entry.offset + numel, held.start + held.length)
     if last <= first:  # this rank holds none of it
-        return Slot(name, entry.shape, -1, 0, 0)
-    return Slot(name, entry.shape, -1, first - entry.offset, last - first, first - held.start)
+        return Slot.flat(name, entry.shape, 0, 0)
+    return Slot.flat(name, entry.shape, first - entry.offset, last - first, first - held.start)
 
 
 @dataclass

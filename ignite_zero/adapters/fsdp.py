@@ -42,7 +42,6 @@ from ignite_zero.adapters import _fsdp1, _fsdp2
 from ignite_zero.adapters._fsdp_common import ParamLayout, Slot, add_value, clean_name, whole_slot
 from ignite_zero.adapters.base import ShardedState
 from ignite_zero.adapters.regions import Pieces, gather_pieces
-from ignite_zero.agreement import rank_and_world
 
 __all__ = [
     "FSDPModelState",
@@ -156,12 +155,12 @@ class _FSDPState(ShardedState):
         """Validate locally, without communication, that the state can be gathered.
 
         Raises:
-            ValueError: the recipient is outside the world; the module mixes FSDP1 and FSDP2, uses HSDP or a
-                2-D device mesh, or shards over a group that is not the whole world.
+            ValueError: the recipient is outside the world; the module mixes FSDP1 and FSDP2, or holds a DTensor
+                with a ``Partial`` (pending reduction) or custom placement.
             RuntimeError: this torch's FSDP1 lacks the internals read to find its shards.
         """
         super().check()
-        _kind(self.module).check(self.module, rank_and_world()[1])
+        _kind(self.module).check(self.module)
 
 
 class FSDPModelState(_FSDPState):
@@ -170,13 +169,14 @@ class FSDPModelState(_FSDPState):
     ``state_dict()`` is a collective: on the recipient it returns what the unwrapped module's ``state_dict()``
     would (same names without wrapper segments, same order, plain CPU tensors, tied parameters as one tensor),
     and ``{}`` on every other rank. Only the recipient holds the full state; every other rank sends views of
-    its shards. ``load_state_dict()`` restores it from a state saved on any number of ranks (or by the plain
-    module); it is local and only reads the given dict, which may be an ``mmap``'d ``torch.load`` result shared
-    by the ranks of a host.
+    its shards, each block once, from one of its replicas. ``load_state_dict()`` restores it from a state saved
+    on any number of ranks and any layout (or by the plain module); it is local and only reads the given dict,
+    which may be an ``mmap``'d ``torch.load`` result shared by the ranks of a host.
 
     Args:
-        module: the model: an FSDP1 ``FullyShardedDataParallel``, or a module with FSDP2 (``fully_shard``)
-            modules, sharded over the whole world.
+        module: the model: an FSDP1 ``FullyShardedDataParallel`` (any sharding strategy, hybrid ones included), or
+            a module with FSDP2 (``fully_shard``) modules on any device mesh: 1-D, HSDP, FSDP2 over tensor
+            parallelism, units on different meshes.
         recipient_rank: global rank that receives the full state.
 
     Examples:
@@ -304,8 +304,10 @@ class FSDPOptimizerState(_FSDPState):
             return get_optimizer_state_dict(self.module, self.obj, options=StateDictOptions(full_state_dict=False))
 
     def sharded_template(self, saved: set[tuple[Any, ...]]) -> dict[str, Any] | None:
-        """New tensors laid out like this rank's optimizer state; ``None`` when the checkpoint holds no state."""
-        if not any(path[:1] == ("state",) for path in saved):
+        """New tensors laid out like this rank's optimizer state; ``None`` when the checkpoint holds no state, or
+        holds it by index (a plain optimizer's, read whole and then put by name)."""
+        names = {slot.name for layout in _param_layouts(self.module).values() for slot in layout.slots}
+        if not any(path[:1] == ("state",) and path[1] in names for path in saved if len(path) > 1):
             return None
         with _quiet_state_dict_apis():  # an optimizer without state gets it from a step with zero gradients
             return _fresh(
@@ -474,7 +476,7 @@ def _add_state(pieces: Pieces, key: tuple[str, ...], layout: ParamLayout, slot: 
         param = layout.param
         if not isinstance(param, DTensor) or (value.placements, value.shape) != (param.placements, param.shape):
             raise ValueError(f"Optimizer state {key[2]!r} of {slot.name} is not laid out like its parameter")
-        slot.add_to(pieces, key, value.to_local())
+        _fsdp2.dtensor_pieces(pieces, key, slot, value)
     elif isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == layout.local_shape:
         slot.add_to(pieces, key, value)
     elif isinstance(value, torch.Tensor) and value.dim() > 0 and not slot.is_whole:

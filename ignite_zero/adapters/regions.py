@@ -1,8 +1,15 @@
-"""Regions of full tensors that ranks hold (FSDP shards), assembled on one rank through the transport."""
+"""Regions of full tensors that ranks hold, assembled on one rank through the transport.
+
+A region is an N-D block of its full tensor (:class:`Box`): a DTensor's local shard on any mesh (HSDP, FSDP2 over
+tensor parallelism: one block, whatever the placements), or a range of the flattened tensor (FSDP1's and
+fairscale's flat shards). The recipient checks that the distinct blocks of each tensor tile it exactly, takes each
+from one rank (replicas send nothing), and receives it in place.
+"""
 
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import pickle
 from collections.abc import Sequence
@@ -24,34 +31,84 @@ from ignite_zero.transport import (
     send_stream,
 )
 
-__all__ = ["Pieces", "Region", "gather_pieces"]
+__all__ = ["Box", "Pieces", "Region", "gather_pieces"]
+
+
+@dataclass(frozen=True)
+class Box:
+    """A block of a tensor of shape ``shape``: indices ``[offsets[d], offsets[d] + sizes[d])`` along every dimension.
+
+    With ``flat``, the block is a range of the flattened (row-major) tensor: ``offsets`` and ``sizes`` have one
+    entry each. FSDP1 and fairscale shard flattened parameters that way; DTensor shards are N-D blocks.
+    """
+
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    flat: bool = False
+
+    @classmethod
+    def whole(cls, shape: Sequence[int]) -> Box:
+        """The whole tensor."""
+        shape = tuple(int(s) for s in shape)
+        return cls(shape, (0,) * len(shape), shape)
+
+    @classmethod
+    def range(cls, shape: Sequence[int], start: int, length: int) -> Box:
+        """Elements ``[start, start + length)`` of the flattened tensor."""
+        return cls(tuple(int(s) for s in shape), (int(start),), (int(length),), flat=True)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def space(self) -> tuple[int, ...]:
+        """The shape that ``offsets`` and ``sizes`` index: the tensor's, or its flattened one's."""
+        return (math.prod(self.shape),) if self.flat else self.shape
+
+    @property
+    def is_whole(self) -> bool:
+        return self.sizes == self.space
+
+    def view(self, full: torch.Tensor) -> torch.Tensor:
+        """This block of ``full`` (a view)."""
+        view = full.reshape(self.space)
+        for dim, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
+            view = view.narrow(dim, offset, size)
+        return view
+
+    def runs(self) -> int:
+        """Dimensions that index the block's contiguous runs in the full tensor: the block is contiguous for fixed
+        indices along its first ``runs()`` dimensions (0: the block is one contiguous run)."""
+        partial = [d for d, size in enumerate(self.sizes) if size != self.space[d]]
+        return partial[-1] if partial else 0
+
+    def blocks(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """``tensor`` (laid out as the block, or as the full tensor) cut into the block's contiguous runs, in order.
+
+        A DTensor's ``Shard(1)`` block of a matrix is one run per row in the full tensor: receiving run by run puts
+        every row straight into place, where a buffer for the whole block would double the recipient's memory for it.
+        """
+        shaped = tensor.reshape(self.sizes) if tensor.shape != self.sizes else tensor
+        lead = self.runs()
+        if lead == 0:
+            return [shaped]
+        return [shaped[index] for index in itertools.product(*(range(s) for s in self.sizes[:lead]))]
 
 
 @dataclass(frozen=True)
 class Region:
-    """Where a local piece sits in its full tensor: ``key`` names the full tensor.
+    """Where a local piece sits in its full tensor: ``key`` names the full tensor, ``box`` the piece's block of it.
 
-    ``dim == -1``: elements ``[start, start + length)`` of the flattened (row-major) full tensor;
-    otherwise the slice ``[start, start + length)`` along dimension ``dim``.
+    ``layout`` describes how the rank holds it, compared between ranks that should agree (for a DTensor: its mesh
+    and placements), and named in errors.
     """
 
     key: tuple[Any, ...]
-    shape: tuple[int, ...]
     dtype: torch.dtype
-    dim: int
-    start: int
-    length: int
-
-    @property
-    def extent(self) -> int:
-        """Elements (``dim == -1``) or rows (``dim >= 0``) that the pieces of this key must cover."""
-        return math.prod(self.shape) if self.dim == -1 else self.shape[self.dim]
-
-    def view(self, full: torch.Tensor) -> torch.Tensor:
-        """This region of ``full``."""
-        if self.dim == -1:
-            return full.view(-1)[self.start : self.start + self.length]
-        return full.narrow(self.dim, self.start, self.length)
+    box: Box
+    layout: Any = None
 
 
 @dataclass(frozen=True)
@@ -71,17 +128,18 @@ class Pieces:
     values: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     order: list[tuple[Any, ...]] = field(default_factory=list)
 
-    def add(self, key: tuple[Any, ...], shape: Sequence[int], piece: torch.Tensor, dim: int, start: int) -> None:
-        """Add ``piece``: elements ``start...`` of the flattened full tensor (``dim=-1``) or a slice along ``dim``."""
-        length = piece.numel() if dim == -1 else piece.shape[dim]
-        self.regions.append(Region(key, tuple(int(s) for s in shape), piece.dtype, dim, int(start), int(length)))
+    def add(self, key: tuple[Any, ...], box: Box, piece: torch.Tensor, layout: Any = None) -> None:
+        """Add ``piece``, the block ``box`` of the full tensor ``key`` (laid out as the block, or flat)."""
+        if piece.numel() != box.numel:
+            raise ValueError(f"A piece of {_name(key)} has {piece.numel()} elements, its block {box} {box.numel}")
+        self.regions.append(Region(key, piece.dtype, box, layout))
         self.tensors.append(piece)
         self.order.append(key)
 
     def add_whole(self, key: tuple[Any, ...], value: Any) -> None:
         """Add a value this rank holds whole: a tensor (a replica, e.g. a buffer or ``step``) or any picklable."""
         if isinstance(value, torch.Tensor):
-            self.add(key, value.shape, value.reshape(-1), -1, 0)
+            self.add(key, Box.whole(value.shape), value)
         else:
             self.values[key] = value
             self.order.append(key)
@@ -92,12 +150,61 @@ class Pieces:
         self.order.append(key)
 
 
+_Manifest = tuple[list[Region], dict[tuple[Any, ...], Any], list[tuple[Any, ...]]]
+
+
+def _check_layouts(key: tuple[Any, ...], candidates: list[tuple[int, int, Region]]) -> None:
+    """Ranks that share a device mesh must hold a tensor with the same mesh and placements.
+
+    Raises:
+        RuntimeError: naming the tensor, both ranks and their layouts.
+    """
+    layout_of = {r: region.layout for r, _, region in candidates}
+    first_holder: dict[Any, int] = {}
+    for r, layout in layout_of.items():  # a few distinct layouts: one per mesh the tensor sits on
+        first_holder.setdefault(layout, r)
+    for layout, r in first_holder.items():
+        for peer in getattr(layout, "ranks", ()):
+            if layout_of.get(peer, layout) != layout:
+                raise RuntimeError(
+                    f"Ranks disagree on how they hold {_name(key)}: {layout} on rank {r}, {layout_of[peer]} on rank "
+                    f"{peer}: build the same device mesh and shard the same way on every rank of a mesh"
+                )
+
+
+def _check_cover(key: tuple[Any, ...], boxes: list[Box], space: tuple[int, ...], layouts: set[Any]) -> None:
+    """The distinct, non-empty ``boxes`` must tile ``space`` exactly: no overlap, no gap.
+
+    Raises:
+        RuntimeError: naming the tensor, the boxes and how the ranks hold it.
+    """
+    described = sorted(str(layout) for layout in layouts if layout is not None)
+    held = f" (held as {', '.join(described)})" if described else ""
+    if len(boxes) > 1:
+        # Vectorised: ranks x ranks comparisons stay fast at thousands of pieces.
+        start = torch.tensor([box.offsets for box in boxes], dtype=torch.int64)
+        end = start + torch.tensor([box.sizes for box in boxes], dtype=torch.int64)
+        overlap = ((start[:, None] < end[None]) & (start[None] < end[:, None])).all(dim=-1)
+        overlap.fill_diagonal_(False)
+        if overlap.any():
+            a, b = (int(i) for i in overlap.nonzero()[0])
+            hint = "; is each rank's local tensor one block of the full tensor?" if held else ""
+            raise RuntimeError(f"Pieces of {_name(key)} overlap: {boxes[a]} and {boxes[b]}{held}{hint}")
+    covered = sum(box.numel for box in boxes)
+    if covered != math.prod(space):
+        raise RuntimeError(f"Pieces of {_name(key)} cover {covered} of its {math.prod(space)} elements{held}")
+
+
 def _choose_sources(
-    manifests: list[tuple[list[Region], dict[tuple[Any, ...], Any], list[tuple[Any, ...]]]], root: int
+    manifests: list[_Manifest], root: int
 ) -> tuple[
     list[tuple[Any, ...]], dict[tuple[Any, ...], list[tuple[int, int]]], dict[tuple[Any, ...], Region], list[list[int]]
 ]:
     """On the root: for every key, pieces that cover the full tensor exactly once, the root's own first.
+
+    Identical blocks (replicas: HSDP's replicate dimension, a parameter replicated over tensor parallelism, NO_SHARD)
+    come from one rank only: the root if it holds one, else the replica with the fewest bytes to send so far, so
+    that the replicas share the sending. A rank holding the whole tensor covers it alone.
 
     Returns the key order, per key the chosen ``(rank, piece index)`` pairs (none for an empty tensor) and a
     region describing the full tensor, and per rank the indices of the pieces it sends, in the order the root
@@ -115,25 +222,33 @@ def _choose_sources(
     chosen: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
     regions: dict[tuple[Any, ...], Region] = {}
     sends: list[list[int]] = [[] for _ in manifests]
+    load = [0] * len(manifests)  # bytes each rank sends
     for key in order:
         candidates = by_key.get(key)
         if not candidates:
             continue
         first = regions[key] = candidates[0][2]
-        spans: list[tuple[int, int]] = []
-        picked: list[tuple[int, int]] = []
-        for r, i, region in candidates:
-            if (region.shape, region.dtype, region.dim) != (first.shape, first.dtype, first.dim):
-                raise RuntimeError(f"Ranks disagree on {_name(key)}: {region} on rank {r}, {first} elsewhere")
-            span = (region.start, region.start + region.length)
-            if region.length == 0 or span in spans:  # an empty shard, or a replica already covered
-                continue
-            if any(a < span[1] and span[0] < b for a, b in spans):
-                raise RuntimeError(f"Pieces of {_name(key)} overlap: {span} and {spans}")
-            spans.append(span)
+        for r, _, region in candidates:
+            if (region.box.shape, region.dtype) != (first.box.shape, first.dtype):
+                raise RuntimeError(
+                    f"Ranks disagree on {_name(key)}: shape {region.box.shape} and {region.dtype} on rank {r}, "
+                    f"{first.box.shape} and {first.dtype} on rank {candidates[0][0]}"
+                )
+        _check_layouts(key, candidates)
+        whole = [c for c in candidates if c[2].box.is_whole]
+        replicas: dict[Box, list[tuple[int, int]]] = {}
+        for r, i, region in whole or candidates:
+            if region.box.numel:
+                replicas.setdefault(region.box, []).append((r, i))
+        spaces = {box.space for box in replicas}
+        if len(spaces) > 1:
+            raise RuntimeError(f"Ranks disagree on {_name(key)}: some hold flat ranges of it, others blocks")
+        _check_cover(key, list(replicas), first.box.space, {c[2].layout for c in candidates})
+        picked = []
+        for box, holders in replicas.items():
+            r, i = next(((r, i) for r, i in holders if r == root), None) or min(holders, key=lambda h: load[h[0]])
+            load[r] += box.numel * first.dtype.itemsize
             picked.append((r, i))
-        if sum(b - a for a, b in spans) != first.extent:
-            raise RuntimeError(f"Pieces of {_name(key)} cover {sum(b - a for a, b in spans)} of {first.extent}")
         chosen[key] = sorted(picked)
         for r, i in chosen[key]:
             if r != root:
@@ -151,24 +266,25 @@ def gather_pieces(
     """Assemble full tensors from the pieces ranks hold, on ``dst``; a collective over ``group``.
 
     Every rank sends ``dst`` the description of its pieces (no data); ``dst`` allocates each full tensor once
-    on the CPU, picks one source per region (its own pieces first, so NO_SHARD parameters, buffers and
-    ``step`` values never travel), tells each rank what to send, and receives every region straight into
-    place (a slice along ``dim > 0`` goes through a buffer of that slice). Senders send views of what they
-    hold: their extra memory is the staging buffer only.
+    on the CPU, picks one source per block (its own pieces first, so NO_SHARD parameters, buffers and ``step``
+    values never travel; one replica of each block), tells each rank what to send, and receives every block
+    straight into place, run by run where a block is not contiguous in the full tensor (see :meth:`Box.blocks`).
+    Senders send views of what they hold: their extra memory is the staging buffer only.
 
     Returns:
         On ``dst``: ``{key: full tensor or value}`` in ``dst``'s order, then keys only other ranks hold;
         aliases resolved to their target's tensor. ``None`` on other ranks.
 
     Raises:
-        RuntimeError: on every rank, if ``dst`` finds the pieces inconsistent; on ``dst``, if a rank failed.
+        RuntimeError: on every rank, if ``dst`` finds the pieces inconsistent (naming the tensor and how the ranks
+            hold it); on ``dst``, if a rank failed.
     """
     ranks = resolve(group, dst, "dst")
     manifest = (pieces.regions, pieces.values, pieces.order)
     if ranks.rank != ranks.root:
         send_bytes(pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL), dst, ranks.group)
         sends = pickle.loads(receive_bytes(dst, ranks.group, "the plan of the gather"))
-        tensors = [pieces.tensors[i] for i in sends]
+        tensors = [run for i in sends for run in pieces.regions[i].box.blocks(pieces.tensors[i])]
         send_stream(tensors, dst, ranks.group, chunk_bytes_for(tensors, chunk_bytes))
         return None
 
@@ -184,9 +300,8 @@ def gather_pieces(
             if peer != ranks.rank:
                 send_error(f"rank {dst}: {error}", ranks.peer(peer), ranks.group)
         raise
-    full = {key: torch.empty(region.shape, dtype=region.dtype) for key, region in chosen_regions.items()}
+    full = {key: torch.empty(region.box.shape, dtype=region.dtype) for key, region in chosen_regions.items()}
     receivers = []
-    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     for peer in range(ranks.size):
         if peer == ranks.rank:
             continue
@@ -194,21 +309,14 @@ def gather_pieces(
         destinations = []
         for index in sends[peer]:
             region = manifests[peer][0][index]
-            target = region.view(full[region.key])
-            if not target.is_contiguous():
-                buffer = torch.empty(target.shape, dtype=target.dtype)
-                staged.append((target, buffer))
-                target = buffer
-            destinations.append(target)
+            destinations += region.box.blocks(region.box.view(full[region.key]))
         receivers.append(StreamReceiver(ranks.peer(peer), destinations, chunk_bytes_for(destinations, chunk_bytes)))
     for key, picks in chosen.items():  # the root's own pieces: copied while nothing else is in flight
         for r, i in picks:
             if r == ranks.rank:
-                target = pieces.regions[i].view(full[key])
+                target = pieces.regions[i].box.view(full[key])
                 target.copy_(pieces.tensors[i].detach().reshape(target.shape))
     receive_all(receivers, ranks.group)
-    for target, buffer in staged:
-        target.copy_(buffer)
 
     result: dict[tuple[Any, ...], Any] = {}
     for key in order:

@@ -1,0 +1,276 @@
+"""Every DTensor layout on 4 gloo ranks with CPU meshes: HSDP ``(Replicate(), Shard(0))``, FSDP2 over tensor
+parallelism ``(_StridedShard(0, sf=2), Shard(0))``, FSDP1 hybrid sharding from a mesh and from a pair of process
+groups, saved in both modes (one file through the recipient, also asynchronously, or a sharded DCP directory; each
+block written once) and loaded across layouts and world sizes: into 1-D FSDP2 and FSDP1 on 2 ranks, into a plain
+module in one process, and the other way round.
+
+Every layout trains next to an unsharded twin on the same batches (the same on every rank): what it saves is close to
+the twin's state, and a resume on the same layout is bitwise equal to the uninterrupted run. The model has tied
+weights, sizes divisible by no mesh dimension, parameters replicated over the tensor-parallel dimension and sharded
+over the data-parallel one, and units on different meshes (the tensor-parallel layers on the 2-D mesh, the rest on
+its data-parallel submesh, which does not span the world). One 4-rank launch covers all of it, to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from ignite.engine import Engine
+from launcher import run_ranks
+from test_fsdp import _assert_states, _full_optimizer_state, _gather, _train
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, sharded
+
+pytestmark = pytest.mark.distributed
+
+
+class Layer(nn.Module):
+    """A residual MLP: tensor parallelism splits ``up`` by rows (columns of its output) and ``down`` by columns."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class LayoutNet(nn.Module):
+    """An embedding tied to the output projection; 11 and 5 divide by no mesh dimension, 6 by the tensor-parallel
+    one only (3 rows per tensor-parallel rank, sharded 2 + 1 over the data-parallel dimension)."""
+
+    def __init__(self, vocab: int = 11, d: int = 5, hidden: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.Sequential(Layer(d, hidden), Layer(d, hidden))
+        self.out = nn.Linear(d, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.layers(self.emb(x)))
+
+
+def _fsdp2(model: LayoutNet, mesh: Any) -> nn.Module:
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _hsdp(model: LayoutNet) -> nn.Module:
+    return _fsdp2(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+
+
+def _tensor_parallel(model: LayoutNet) -> nn.Module:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(layer, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def _fsdp1(model: LayoutNet, **options: Any) -> nn.Module:
+    policy = ModuleWrapPolicy({Layer})
+    return FullyShardedDataParallel(
+        model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True, **options
+    )
+
+
+def _hybrid_mesh(model: LayoutNet) -> nn.Module:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return _fsdp1(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=mesh)
+
+
+def _hybrid_groups(model: LayoutNet) -> nn.Module:
+    rank = dist.get_rank()
+    shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicate_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    groups = (shard_groups[rank // 2], replicate_groups[rank % 2])
+    return _fsdp1(model, sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2, process_group=groups)
+
+
+LAYOUTS: dict[str, Callable[[LayoutNet], nn.Module]] = {
+    "hsdp": _hsdp,
+    "tp": _tensor_parallel,
+    "fsdp1_hybrid": _hybrid_mesh,
+    "fsdp1_zero2_groups": _hybrid_groups,
+    "fsdp2": lambda model: _fsdp2(model, init_device_mesh("cpu", (dist.get_world_size(),))),
+    "fsdp1": _fsdp1,
+}
+SAVE_STEPS, MORE_STEPS = range(2), range(2, 4)
+MODES = ("pt", "dcp")
+
+
+def _adam(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+@functools.cache
+def _twin(steps: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    twin = LayoutNet()
+    optimizer = _adam(twin)
+    _train(twin, optimizer, range(steps), tokens=True)
+    return {"model": twin.state_dict(), "optimizer": _full_optimizer_state(twin, optimizer)}
+
+
+def _build(layout: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = LAYOUTS[layout](LayoutNet())
+    return model, _adam(model)
+
+
+def _save(
+    model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, recipient: int, background: bool = False
+) -> None:
+    """Both modes, as users save: one file written by the recipient, and a sharded directory; with ``background``,
+    also the file saved asynchronously, in ``directory / "async"``."""
+    engine = Engine(lambda e, b: None)
+    engine.state.iteration = 1
+    to_save = {"model": model, "optimizer": optimizer}
+    Checkpoint(to_save, DiskSaver(directory, require_empty=False), consolidate_recipient_rank=recipient)(engine)
+    Checkpoint(to_save, ShardedSaver(directory, require_empty=False), consolidate_recipient_rank=recipient)(engine)
+    if background:
+        saver = DiskSaver(directory / "async")
+        checkpoint = Checkpoint(to_save, saver, consolidate_recipient_rank=recipient, async_save=True)
+        checkpoint(engine)
+        checkpoint.wait()
+
+
+def _path(directory: Path, layout: str, mode: str) -> Path:
+    return directory / layout / f"checkpoint_1.{mode}"
+
+
+def _load(layout: str, path: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A fresh, differently initialised ``layout`` loaded from ``path``."""
+    model, optimizer = _build(layout, seed=1234)
+    Checkpoint.load_objects({"model": model, "optimizer": optimizer}, path)
+    return model, optimizer
+
+
+def _save_layout(rank: int, layout: str, directory: Path, recipient: int) -> None:
+    """Train next to the twin and save both modes; resume from each on the same layout, bitwise."""
+    model, optimizer = _build(layout, seed=0)
+    _train(model, optimizer, SAVE_STEPS, tokens=True)
+    saved = _gather(model, optimizer, recipient)
+    if rank == recipient:
+        _assert_states(saved, _twin(len(SAVE_STEPS)), exact=False)
+        assert saved["model"]["out.weight"] is saved["model"]["emb.weight"]  # tied: one tensor
+    _save(model, optimizer, directory / layout, recipient, background=True)
+    if rank == recipient:
+        _assert_states(torch.load(_path(directory, layout, "pt"), weights_only=True), saved, exact=True)
+        in_background = torch.load(directory / layout / "async" / "checkpoint_1.pt", weights_only=True)
+        _assert_states(in_background, saved, exact=True)
+        _assert_written_once(_path(directory, layout, "dcp"))
+    _train(model, optimizer, MORE_STEPS, tokens=True)
+    uninterrupted = _gather(model, optimizer, recipient)
+    for mode in MODES:
+        resumed, resumed_optimizer = _load(layout, _path(directory, layout, mode))
+        again = _gather(resumed, resumed_optimizer, recipient)
+        _train(resumed, resumed_optimizer, MORE_STEPS, tokens=True)
+        after = _gather(resumed, resumed_optimizer, recipient)
+        if rank == recipient:
+            _assert_states(again, saved, exact=True)
+            _assert_states(after, uninterrupted, exact=True)
+
+
+def _assert_written_once(directory: Path) -> None:
+    """The blocks of every tensor in a sharded checkpoint add up to the tensor: replicas wrote nothing twice."""
+    for name, entry in sharded.read_metadata(directory).state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            written = sum(math.prod(chunk.sizes) for chunk in entry.chunks)
+            assert written == math.prod(entry.size), f"{name}: {written} elements written of {math.prod(entry.size)}"
+
+
+def _resume_across(rank: int, target: str, directory: Path, source: str) -> None:
+    """Load ``source``'s checkpoints (both modes) into ``target``, train on: close to the twin."""
+    for mode in MODES:
+        model, optimizer = _load(target, _path(directory, source, mode))
+        _train(model, optimizer, MORE_STEPS, tokens=True)
+        resumed = _gather(model, optimizer, 0)
+        if rank == 0:
+            _assert_states(resumed, _twin(len(SAVE_STEPS) + len(MORE_STEPS)), exact=False)
+
+
+def _on_4_ranks(rank: int, world_size: int, directory: Path) -> None:
+    # the recipient is a replica of another rank's shards (HSDP), or holds a tensor-parallel part only
+    for layout, recipient in (("hsdp", 3), ("tp", 1), ("fsdp1_hybrid", 2), ("fsdp1_zero2_groups", 0)):
+        _save_layout(rank, layout, directory, recipient)
+    model, _ = _build("tp", seed=0)
+    placements = {name: p.placements for name, p in model.named_parameters()}
+    assert placements["layers.0.up.weight"][0].__class__.__name__ == "_StridedShard"
+    assert placements["layers.0.down.bias"] == (Shard(0), Replicate())  # replicated over tp, sharded over dp
+    assert placements["emb.weight"] == (Shard(0),)  # on the data-parallel submesh
+    for target, source in (
+        ("tp", "hsdp"),
+        ("hsdp", "tp"),
+        ("hsdp", "fsdp1_hybrid"),
+        ("fsdp1_hybrid", "tp"),
+        ("hsdp", "fsdp2"),  # saved on 2 ranks with a 1-D mesh
+        ("tp", "fsdp2"),
+        ("hsdp", "plain"),  # saved in one process, without a process group
+        ("tp", "plain"),
+    ):
+        _resume_across(rank, target, directory, source)
+
+
+def _on_2_ranks(rank: int, world_size: int, directory: Path, step: str) -> None:
+    if step == "save":
+        _save_layout(rank, "fsdp2", directory, 1)
+        return
+    for target, source in (("fsdp2", "hsdp"), ("fsdp2", "tp"), ("fsdp1", "hsdp"), ("fsdp1", "fsdp1_zero2_groups")):
+        _resume_across(rank, target, directory, source)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plain module saved in one process, 1-D FSDP2 on 2 ranks; then every 2-D layout saved on 4 ranks, resumed
+    bitwise, and loaded into the others and from the plain and 2-rank checkpoints."""
+    directory = tmp_path_factory.mktemp("layouts")
+    torch.manual_seed(0)
+    model = LayoutNet()
+    optimizer = _adam(model)
+    _train(model, optimizer, SAVE_STEPS, tokens=True)
+    _save(model, optimizer, directory / "plain", 0)
+    run_ranks(_on_2_ranks, 2, directory, "save")
+    run_ranks(_on_4_ranks, 4, directory, timeout=240)
+    return directory
+
+
+def test_every_layout_saves_resumes_bitwise_and_loads_across_layouts(saved: Path) -> None:
+    """The checks run on the ranks the fixture launches; here, what they wrote."""
+    for layout in ("hsdp", "tp", "fsdp1_hybrid", "fsdp1_zero2_groups", "fsdp2"):
+        assert _path(saved, layout, "pt").is_file() and _path(saved, layout, "dcp").is_dir()
+
+
+def test_2d_layouts_load_into_1d_fsdp2_and_fsdp1_on_2_ranks(saved: Path) -> None:
+    run_ranks(_on_2_ranks, 2, saved, "load")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_2d_layouts_load_into_a_plain_module_without_process_group(saved: Path, mode: str) -> None:
+    expected = _twin(len(SAVE_STEPS) + len(MORE_STEPS))
+    for layout in ("hsdp", "tp", "fsdp1_hybrid"):
+        torch.manual_seed(7)
+        model = LayoutNet()
+        optimizer = _adam(model)
+        Checkpoint.load_objects({"model": model, "optimizer": optimizer}, _path(saved, layout, mode))
+        _train(model, optimizer, MORE_STEPS, tokens=True)
+        actual = {"model": model.state_dict(), "optimizer": _full_optimizer_state(model, optimizer)}
+        _assert_states(actual, expected, exact=False)
+        assert model.out.weight is model.emb.weight
