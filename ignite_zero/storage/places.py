@@ -343,9 +343,8 @@ class RemotePlace(Place):
     def write(self, name: str, dump: Callable[[IO[bytes]], object], atomic: bool = True) -> None:
         final = self._key(name)
         # S3 makes an object visible only once its upload completes (one PUT, or the completion of a multipart
-        # upload), replacing the previous one at that instant: the upload itself is the commit. Other stores go
-        # through a temporary key and a copy on the server, which cost 1.3-1.5x the upload of a 60 MB checkpoint
-        # to a loopback S3 server.
+        # upload), replacing the previous one at that instant: the upload itself is the commit, and a copy on the
+        # server would only add a pass over every byte. Other stores go through a temporary key and that copy.
         direct = not atomic or self._commits_uploads
         target = final if direct else self._key(temporary_name(name))
         with self._answering("Writing", name):
