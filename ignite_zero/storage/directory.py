@@ -123,14 +123,19 @@ class DirectorySaver(Saver):
                 )
         self._prepared = True
 
-    def _remove_temporaries(self) -> None:
-        # Left by a process killed while writing; the live writer of this directory is this rank alone.
-        for name in self.place.entries():
-            if TEMPORARY.match(name):
-                self.place.remove(name)
-                logger.warning("Removed %s, left by an interrupted save", self.place.location(name))
+    def _remove_temporaries(self) -> dict[str, bool]:
+        """Remove what interrupted saves left; return what the directory holds then (names, whether directories).
+
+        The live writer of this directory is this rank alone.
+        """
+        entries = self.place.entries()
+        for name in [name for name in entries if TEMPORARY.match(name)]:
+            self.place.remove(name)
+            del entries[name]
+            logger.warning("Removed %s, left by an interrupted save", self.place.location(name))
         for key in self.place.abort_uploads():
             logger.warning("Aborted the upload of %s, left by an interrupted save", key)
+        return entries
 
     def remove(self, filename: str) -> None:
         if not self.is_writer:

@@ -112,8 +112,8 @@ class Place(ABC):
         """The whole (small) file ``name``."""
 
     @abstractmethod
-    def remove(self, name: str) -> None:
-        """Remove the file or directory ``name`` and everything in it."""
+    def remove(self, name: str, recursive: bool = True) -> None:
+        """Remove the file or directory ``name`` and everything in it; ``recursive=False``: the file ``name``."""
 
     @abstractmethod
     def write(self, name: str, dump: Callable[[IO[bytes]], object], atomic: bool = True) -> None:
@@ -180,7 +180,7 @@ class LocalPlace(Place):
     def read(self, name: str) -> bytes:
         return (self.path / name).read_bytes()
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str, recursive: bool = True) -> None:
         path = self.path / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
@@ -333,10 +333,13 @@ class RemotePlace(Place):
         with self._answering("Reading", name):
             return bytes(self.fs.cat_file(self._key(name)))
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str, recursive: bool = True) -> None:
         with self._answering("Removing", name):
             try:
-                self.fs.rm(self._key(name), recursive=True)
+                if recursive:
+                    self.fs.rm(self._key(name), recursive=True)  # lists the prefix first
+                else:
+                    self.fs.rm_file(self._key(name))  # one request
             except FileNotFoundError:
                 pass
 

@@ -103,14 +103,16 @@ class ShardedSaver(DirectorySaver):
         names = super().list()
         return [name for name in names if sharded.is_committed(self.place.child(name))] if self.place.remote else names
 
-    def _remove_temporaries(self) -> None:
-        super()._remove_temporaries()
+    def _remove_temporaries(self) -> dict[str, bool]:
+        entries = super()._remove_temporaries()
         if not self.place.remote:
-            return
-        for name, is_directory in self.place.entries().items():
+            return entries
+        for name, is_directory in list(entries.items()):
             if is_directory and name.endswith(f".{self.ext}") and self.place.child(name).is_file(sharded.UNCOMMITTED):
                 self.place.remove(name)
+                del entries[name]
                 logger.warning("Removed %s, left by an interrupted save", self.place.location(name))
+        return entries
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
         """Collective: save ``checkpoint`` (this rank's part of it) as the directory ``filename``."""
@@ -248,10 +250,10 @@ class ShardedSaver(DirectorySaver):
         if self.is_writer:
             try:
                 self._prepare()
-                self._remove_temporaries()
+                present = self._remove_temporaries()
                 if self.place.remote:
-                    # a constant file name: the previous checkpoint of that name goes first (no rename to swap them)
-                    self.place.remove(filename)
+                    if filename in present:  # a constant file name: the previous checkpoint goes first (no rename)
+                        self.place.remove(filename)
                     target.write(sharded.UNCOMMITTED, lambda f: f.write(b""))
                 else:
                     target.make()
@@ -318,7 +320,7 @@ class ShardedSaver(DirectorySaver):
         listed = {name: record for rank_files in files for name, record in rank_files.items()}
         sharded.seal(partial, listed, world_size=len(files), torch=torch.__version__, ignite_zero=package_version())
         if self.place.remote:
-            partial.remove(sharded.UNCOMMITTED)  # committed by the manifest already: this only tidies
+            partial.remove(sharded.UNCOMMITTED, recursive=False)  # committed by the manifest already: only tidies
         else:
             local, final = cast(LocalPlace, partial).path, Path(self.place.location(filename))
             fsync_directory(local)
