@@ -109,6 +109,7 @@ def _recipient_fails(rank, world_size, dirname):
     handler = Checkpoint({"model": model}, saver, n_saved=1)
     engine = Engine(lambda e, b: None)
     handler(engine)
+    dist.barrier()  # every rank's first save is done: none of them may learn of the failure below yet
     engine.state.iteration = 1
     if rank == 0:
         saver._dump = lambda *args: (_ for _ in ()).throw(OSError(5, "Input/output error"))
