@@ -111,10 +111,11 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             from ignite.engine import Events
             from ignite_zero import Checkpoint, DiskSaver
 
-            to_save = {"model": model, "optimizer": zero_optimizer, "trainer": trainer}
-            checkpoint = Checkpoint(to_save, DiskSaver("/tmp/ckpt", require_empty=False), n_saved=2,
+            to_save = {"model": model, "optimizer": optimizer, "trainer": trainer}  # e.g. a ZeRO optimizer
+            checkpoint = Checkpoint(to_save, DiskSaver("ckpt", require_empty=False), n_saved=2,
                                     consolidate_recipient_rank=0)
             trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpoint)  # on every rank
+            trainer.run(loader, max_epochs=3)
 
             # later, on any number of ranks (every rank calls it):
             Checkpoint.load_objects(to_load=to_save, checkpoint=checkpoint.last_checkpoint)
@@ -413,7 +414,9 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         Examples:
             .. code-block:: python
 
-                checkpoint = Checkpoint(to_save, DiskSaver("/shared/ckpt", require_empty=False), n_saved=2)
+                from ignite_zero import Checkpoint, DiskSaver
+
+                checkpoint = Checkpoint(to_save, DiskSaver("ckpt", require_empty=False), n_saved=2)
                 checkpoint.load_latest(to_save)  # a fresh run, or a restarted one: the same code
                 trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpoint)
 
@@ -571,7 +574,7 @@ class ModelCheckpoint(Checkpoint):
 
             from ignite_zero import ModelCheckpoint
 
-            handler = ModelCheckpoint("/tmp/models", "run", n_saved=2, require_empty=False)
+            handler = ModelCheckpoint("models", "run", n_saved=2, require_empty=False)
             trainer.add_event_handler(Events.EPOCH_COMPLETED, handler, {"model": model, "optimizer": optimizer})
 
     .. versionadded:: 0.1.0

@@ -106,7 +106,10 @@ def export(
             from ignite_zero import export
 
             export("ckpt/checkpoint_3.pt", "hf/model", dtype=torch.bfloat16)
-            # later: safetensors.torch.load_file("hf/model/model.safetensors")
+
+            from safetensors.torch import load_file  # reading needs the safetensors package
+
+            weights = load_file("hf/model/model.safetensors")
 
     .. versionadded:: 0.2.0
     """

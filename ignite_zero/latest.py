@@ -56,7 +56,7 @@ def find_latest(
 
             from ignite_zero import Checkpoint, find_latest
 
-            path = find_latest("/shared/ckpt")  # on every rank
+            path = find_latest("ckpt")  # on every rank
             if path is not None:
                 Checkpoint.load_objects(to_load=to_save, checkpoint=path)
 

@@ -32,7 +32,7 @@ class RandomState:
             from ignite_zero import Checkpoint, RandomState
 
             to_save = {"model": model, "optimizer": optimizer, "trainer": trainer, "rng": RandomState()}
-            trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, "/tmp/ckpt"))
+            trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, "ckpt"))
 
     .. versionadded:: 0.2.0
     """

@@ -27,6 +27,8 @@ class Stager:
     Examples:
         .. code-block:: python
 
+            from ignite_zero.staging import Stager
+
             stager = Stager()
             staged = stager.stage(adapter.snapshot())  # the loop may go on as soon as this returns
             full = adapter.assemble(staged, group)     # in the background

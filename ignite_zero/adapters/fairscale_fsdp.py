@@ -85,6 +85,7 @@ def is_fairscale_fsdp_module(module: Any) -> bool:
         .. code-block:: python
 
             from fairscale.nn import FullyShardedDataParallel
+            from ignite_zero.adapters.fairscale_fsdp import is_fairscale_fsdp_module
 
             model = FullyShardedDataParallel(net)
             assert is_fairscale_fsdp_module(model)
@@ -336,6 +337,7 @@ class FairscaleFSDPModelState(_FairscaleState):
         .. code-block:: python
 
             from fairscale.nn import FullyShardedDataParallel
+            from ignite.handlers import Checkpoint, DiskSaver
             from ignite_zero.adapters import FairscaleFSDPModelState, FairscaleFSDPOptimizerState
 
             model = FullyShardedDataParallel(net.cuda())
@@ -345,7 +347,7 @@ class FairscaleFSDPModelState(_FairscaleState):
                 "optimizer": FairscaleFSDPOptimizerState(model, optimizer, recipient_rank=0),
             }
             # stock ignite, on every rank (ignite_zero.Checkpoint does this by itself):
-            trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, DiskSaver("/tmp/ckpt")))
+            trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, DiskSaver("ckpt")))
 
     .. versionadded:: 0.2.0
     """

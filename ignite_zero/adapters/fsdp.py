@@ -62,6 +62,9 @@ def is_fsdp_module(module: Any) -> bool:
     Examples:
         .. code-block:: python
 
+            from torch.distributed.fsdp import FullyShardedDataParallel
+            from ignite_zero.adapters.fsdp import is_fsdp_module
+
             model = FullyShardedDataParallel(net, device_id=device)
             assert is_fsdp_module(model)
             assert not is_fsdp_module(net.head)  # a part left out of the wrapper
@@ -88,6 +91,8 @@ def owns_parameters(module: nn.Module, optimizer: torch.optim.Optimizer) -> bool
 
     Examples:
         .. code-block:: python
+
+            from ignite_zero.adapters.fsdp import FSDPOptimizerState, is_fsdp_module, owns_parameters
 
             to_save = {"model": model, "optimizer": optimizer}
             if is_fsdp_module(model) and owns_parameters(model, optimizer):
@@ -182,6 +187,7 @@ class FSDPModelState(_FSDPState):
     Examples:
         .. code-block:: python
 
+            from ignite.handlers import Checkpoint, DiskSaver
             from ignite_zero.adapters.fsdp import FSDPModelState, FSDPOptimizerState
 
             to_save = {
@@ -189,7 +195,7 @@ class FSDPModelState(_FSDPState):
                 "optimizer": FSDPOptimizerState(model, optimizer, recipient_rank=0),
             }
             # stock ignite, on every rank:
-            trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, DiskSaver("/tmp/ckpt")))
+            trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, DiskSaver("ckpt")))
 
     .. versionadded:: 0.1.0
     """
@@ -384,6 +390,8 @@ def full_optimizer_state_to_plain(
 
     Examples:
         .. code-block:: python
+
+            from ignite_zero.adapters.fsdp import full_optimizer_state_to_plain
 
             checkpoint = torch.load("checkpoint_3.pt", mmap=True, weights_only=True)
             model.load_state_dict(checkpoint["model"])

@@ -33,7 +33,7 @@ class PerRank(ShardedState):
             from ignite_zero import Checkpoint, PerRank, RandomState
 
             to_save = {"model": model, "optimizer": optimizer, "rng": RandomState(), "sampler": PerRank(sampler)}
-            trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, "/tmp/ckpt"))
+            trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, "ckpt"))
 
     .. versionadded:: 0.2.0
     """

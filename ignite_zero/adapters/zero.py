@@ -131,7 +131,7 @@ class ZeROState(ShardedState):
             from ignite_zero.adapters import ZeROState
 
             to_save = {"model": model, "optimizer": ZeROState(optimizer, recipient_rank=0)}
-            trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, "/tmp/ckpt"))
+            trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, "ckpt"))
 
     .. versionadded:: 0.1.0
     """

@@ -59,8 +59,9 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
 
             from ignite_zero import Checkpoint, DiskSaver
 
-            saver = DiskSaver("/tmp/ckpt", require_empty=False)
+            saver = DiskSaver("ckpt", require_empty=False)
             handler = Checkpoint(to_save, saver, n_saved=2, consolidate_recipient_rank=1)
+            trainer.add_event_handler(Events.EPOCH_COMPLETED, handler)  # rank 1 writes the files
 
             # on an S3-compatible object store
             saver = DiskSaver("s3://bucket/run", storage_options={"endpoint_url": "https://minio.example:9000"})

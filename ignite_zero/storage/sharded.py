@@ -71,10 +71,11 @@ class ShardedSaver(DirectorySaver):
 
             from ignite_zero import Checkpoint, ShardedSaver
 
-            checkpoint = Checkpoint(to_save, ShardedSaver("/shared/ckpt", require_empty=False), n_saved=2)
+            checkpoint = Checkpoint(to_save, ShardedSaver("ckpt", require_empty=False), n_saved=2)  # seen by all
             trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpoint)
+            trainer.run(loader, max_epochs=3)
             # later, on any number of ranks:
-            Checkpoint.load_objects(to_load=to_save, checkpoint="/shared/ckpt/checkpoint_300.dcp")
+            Checkpoint.load_objects(to_load=to_save, checkpoint="ckpt/checkpoint_3.dcp")
 
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.2.0

@@ -1,0 +1,373 @@
+"""The documentation's examples run: every ``Examples:`` block of ignite_zero's docstrings and every Python block of
+README.rst, executed for real on the ranks each one needs.
+
+The collector takes each ``.. code-block:: python`` under ``Examples:`` in the docstring of every module, class,
+function, method and property that ignite_zero defines, and each Python block of README.rst, named by its section.
+Every one of them has an entry in ``EXAMPLES``: the number of gloo ranks it runs on (``0``: one process without a
+process group) and the setup that supplies the names the surrounding prose takes as given. A snippet sees:
+
+- always: ``torch``, ``sys``, ``idist`` (``ignite.distributed``) and ``Events``;
+- ``plain``: ``model`` (a tiny ``Sequential`` whose last layer is ``head``), ``optimizer`` (its Adam), ``trainer``
+  (an ``Engine`` that trains whichever ``model`` and ``optimizer`` the snippet's namespace holds), ``loader`` (one
+  batch an epoch, so that files named by iteration, as they are by default, are named by epoch too), ``to_save``
+  (the three), ``net`` (an unwrapped twin of ``model``) and ``device`` (the CPU);
+- ``zero``: the same with ``model`` in DDP and a ``ZeroRedundancyOptimizer``;
+- ``fsdp``: the same with ``model`` in FSDP1 and its Adam;
+- a few additions named in their entry (a checkpoint saved beforehand, a ``sampler``, ``checkpoint``).
+
+Three are listed and skipped with the reason: the examples of fairscale's FSDP state classes need GPUs and NCCL, and
+README's object storage example names real remote stores.
+
+Every rank runs the setup, then the snippet (``exec``), in one working directory that all ranks share, so that
+relative paths such as ``"ckpt"`` land there. If the snippet uses ``trainer`` but does not run it,
+the rank runs it for 2 epochs so that they fire. An entry may then check the namespace on each rank, and the files
+that must exist afterwards. A snippet that raises, or leaves the files or values it promises missing, fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import re
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fairscale.nn  # noqa: F401 (for the examples that use it: forked ranks inherit it)
+import ignite.distributed as idist
+import pytest
+import torch
+import torch.distributed as dist
+from ignite.engine import Engine, Events
+from launcher import run_ranks
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.nn.parallel import DistributedDataParallel
+from training import tiny_model, train_step, zero_adam
+
+import ignite_zero
+from ignite_zero import Checkpoint, DiskSaver
+from ignite_zero.adapters import FSDPOptimizerState, ZeROState
+
+README = Path(__file__).parent.parent / "README.rst"
+CPU = torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Collecting the examples
+
+
+def _indented_under(lines: list[str], index: int) -> list[str]:
+    """The lines after ``lines[index]`` up to the next non-blank one indented no deeper than it."""
+    indent = len(lines[index]) - len(lines[index].lstrip())
+    body: list[str] = []
+    for line in lines[index + 1 :]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        body.append(line)
+    return body
+
+
+def _code_blocks(text: str) -> Iterator[str]:
+    """The bodies of the ``.. code-block:: python`` directives in ``text``, dedented."""
+    lines = text.splitlines()
+    for index, line in enumerate(lines):
+        if line.strip() == ".. code-block:: python":
+            yield inspect.cleandoc("\n".join(_indented_under(lines, index)))
+
+
+def _examples_section(docstring: str) -> str:
+    """The ``Examples:`` section of a docstring."""
+    lines = inspect.cleandoc(docstring).splitlines()
+    headings = [index for index, line in enumerate(lines) if line.strip() == "Examples:"]
+    return "\n".join(_indented_under(lines, headings[0])) if headings else ""
+
+
+def _documented() -> Iterator[tuple[str, Any]]:
+    """(qualified name, object) of every module, and of every class, function, method and property defined there."""
+    modules = [ignite_zero]
+    for info in pkgutil.walk_packages(ignite_zero.__path__, "ignite_zero."):
+        if not info.name.endswith(".__main__"):  # importing it runs the command line
+            modules.append(importlib.import_module(info.name))
+    for module in modules:
+        yield module.__name__, module
+        for obj in vars(module).values():
+            if not (inspect.isclass(obj) or inspect.isfunction(obj)) or obj.__module__ != module.__name__:
+                continue
+            yield f"{module.__name__}.{obj.__qualname__}", obj
+            for name, member in vars(obj).items() if inspect.isclass(obj) else ():
+                if isinstance(member, (staticmethod, classmethod)):
+                    member = member.__func__
+                elif isinstance(member, property):
+                    member = member.fget
+                if inspect.isfunction(member):
+                    yield f"{module.__name__}.{obj.__qualname__}.{name}", member
+
+
+def docstring_examples() -> dict[str, str]:
+    """Every code block of every ``Examples:`` section, by the qualified name of its object (``#2`` for a second)."""
+    found: dict[str, str] = {}
+    for name, obj in _documented():
+        for number, code in enumerate(_code_blocks(_examples_section(obj.__doc__ or "")), 1):
+            found[name if number == 1 else f"{name}#{number}"] = code
+    return found
+
+
+def readme_examples() -> dict[str, str]:
+    """Every Python block of README.rst, by ``README: <section title>`` (``#2`` for a second in a section)."""
+    lines = README.read_text().splitlines()
+    titles = [
+        index
+        for index, (line, underline) in enumerate(zip(lines, lines[1:]))
+        if line.strip() and len(set(underline)) == 1 and underline[0] in "=-~^" and len(underline) >= len(line)
+    ]
+    found: dict[str, str] = {}
+    for title, end in zip(titles, [*titles[1:], len(lines)]):
+        for number, code in enumerate(_code_blocks("\n".join(lines[title + 2 : end])), 1):
+            found[f"README: {lines[title].strip()}" + ("" if number == 1 else f"#{number}")] = code
+    return found
+
+
+def test_the_collector_finds_every_examples_section_in_the_source():
+    """Each ``Examples:`` heading in the package's source is reached through an object, so none escapes the run."""
+    headings = sum(
+        len(re.findall(r"^\s*Examples:$", path.read_text(), re.MULTILINE))
+        for path in Path(ignite_zero.__file__).parent.rglob("*.py")
+    )
+    found = {name.split("#")[0] for name in docstring_examples()}
+    assert headings == len(found) > 20
+    assert README.read_text().count(".. code-block:: python") == len(readme_examples()) > 5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the snippets take as given
+
+
+class ShuffledSampler:
+    """A sampler whose position is per-rank state, as a user's own resumable sampler is."""
+
+    def __init__(self, rank: int) -> None:
+        self.seed, self.position = rank, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seed, self.position = state["seed"], state["position"]
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(body=nn.Linear(7, 5), act=nn.ReLU(), head=nn.Linear(5, 1)))
+
+
+def _trainer(namespace: dict[str, Any], rank: int, model: str = "model", optimizer: str = "optimizer") -> Engine:
+    def step(engine: Engine, _: Any) -> float:
+        return train_step(namespace[model], namespace[optimizer], rank, engine.state.iteration)
+
+    return Engine(step)
+
+
+def _with_trainer(namespace: dict[str, Any], rank: int, *pair: str) -> dict[str, Any]:
+    namespace.update(trainer=_trainer(namespace, rank, *pair), loader=range(1), device=CPU)
+    if "optimizer" in namespace:
+        namespace["to_save"] = {"model": namespace["model"], "optimizer": namespace["optimizer"]}
+        namespace["to_save"]["trainer"] = namespace["trainer"]
+    return namespace
+
+
+def plain(rank: int) -> dict[str, Any]:
+    model = _net()
+    return _with_trainer({"model": model, "optimizer": torch.optim.Adam(model.parameters()), "net": _net()}, rank)
+
+
+def zero(rank: int) -> dict[str, Any]:
+    model = DistributedDataParallel(tiny_model())
+    return _with_trainer({"model": model, "optimizer": zero_adam(model)}, rank)
+
+
+def fsdp(rank: int) -> dict[str, Any]:
+    model = FullyShardedDataParallel(_net(), device_id=CPU, use_orig_params=True)
+    return _with_trainer({"model": model, "optimizer": torch.optim.Adam(model.parameters()), "net": _net()}, rank)
+
+
+def parts(rank: int) -> dict[str, Any]:
+    """No model yet: ``net`` and ``device`` for the snippet to wrap, and a trainer of what it makes."""
+    return _with_trainer({"net": _net()}, rank)
+
+
+def _saved(setup: Callable[[int], dict[str, Any]], dirname: str) -> Callable[[int], dict[str, Any]]:
+    """``setup`` after one training step, saved as ``dirname/checkpoint_3.pt``, whose path is ``path``."""
+
+    def saved(rank: int) -> dict[str, Any]:
+        namespace = setup(rank)
+        train_step(namespace["model"], namespace["optimizer"], rank, 0)
+        saver = DiskSaver(dirname, require_empty=False)
+        Checkpoint(namespace["to_save"], saver, global_step_transform=lambda *_: 3)(Engine(lambda *_: None))
+        namespace["path"] = f"{dirname}/checkpoint_3.pt"
+        return namespace
+
+    return saved
+
+
+def plain_after_fsdp(rank: int) -> dict[str, Any]:
+    """``checkpoint_3.pt`` saved from an FSDP model, then a plain model and optimizer to load it into."""
+    _saved(fsdp, ".")(rank)
+    model = _net()
+    return {"model": model, "optimizer": torch.optim.Adam(model.parameters())}
+
+
+def stager(rank: int) -> dict[str, Any]:
+    namespace = zero(rank)
+    train_step(namespace["model"], namespace["optimizer"], rank, 0)
+    namespace.update(adapter=ZeROState(namespace["optimizer"], recipient_rank=0), group=dist.group.WORLD)
+    return namespace
+
+
+def with_sampler(rank: int) -> dict[str, Any]:
+    namespace = zero(rank)
+    namespace["sampler"] = ShuffledSampler(rank)
+    return namespace
+
+
+def with_checkpoint(rank: int) -> dict[str, Any]:
+    namespace = plain(rank)
+    checkpoint = Checkpoint(namespace["to_save"], DiskSaver("ckpt", require_empty=False))
+    namespace["trainer"].add_event_handler(Events.ITERATION_COMPLETED(every=1000), checkpoint)
+    namespace["checkpoint"] = checkpoint
+    return namespace
+
+
+def ddp_and_sgd(rank: int) -> dict[str, Any]:
+    namespace = {"ddp_model": DistributedDataParallel(tiny_model()), "dirname": "models"}
+    namespace["sgd"] = torch.optim.SGD(namespace["ddp_model"].parameters(), lr=0.1)
+    return _with_trainer(namespace, rank, "ddp_model", "sgd")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks after a snippet, on each rank
+
+
+def _global_zero_state(namespace: dict[str, Any], rank: int) -> None:
+    if rank == 0:  # the consolidated state of all 6 parameters of tiny_model
+        assert len(namespace["optimizer"].state_dict()["state"]) == 6
+
+
+def _found_the_saved_file(namespace: dict[str, Any], rank: int) -> None:
+    assert namespace["path"] == "ckpt/checkpoint_3.pt"
+
+
+def _bf16_weights(namespace: dict[str, Any], rank: int) -> None:
+    expected = namespace["model"].state_dict()
+    assert sorted(namespace["weights"]) == sorted(expected)
+    for name, tensor in namespace["weights"].items():
+        torch.testing.assert_close(tensor, expected[name].to(torch.bfloat16))
+
+
+def _full_on_recipient(namespace: dict[str, Any], rank: int) -> None:
+    assert ("state" in namespace["full"]) == (rank == 0), namespace["full"].keys()
+
+
+def _named_optimizer_state(namespace: dict[str, Any], rank: int) -> None:
+    _full_on_recipient(namespace, rank)
+    if rank == 0:
+        assert sorted(namespace["full"]["state"]) == ["body.bias", "body.weight", "head.bias", "head.weight"]
+
+
+def _adapted(namespace: dict[str, Any], rank: int) -> None:
+    assert isinstance(namespace["to_save"]["optimizer"], FSDPOptimizerState)
+
+
+def _loaded_into_plain(namespace: dict[str, Any], rank: int) -> None:
+    assert len(namespace["optimizer"].state_dict()["state"]) == 4
+
+
+def _not_stopped(namespace: dict[str, Any], rank: int) -> None:
+    assert namespace["stop"].stopped_at is None and namespace["trainer"].state.epoch == 100
+
+
+@dataclass(frozen=True)
+class Example:
+    ranks: int  # 0: one process without a process group
+    setup: Callable[[int], dict[str, Any]]
+    files: tuple[str, ...] = ()  # paths, relative to the shared directory, that must exist afterwards
+    check: Callable[[dict[str, Any], int], None] | None = None
+    not_here: str = ""  # why this harness cannot run it (gloo ranks on CPU)
+
+
+FAIRSCALE_CUDA = (
+    "fairscale's FullyShardedDataParallel gathers its state with CUDA streams: it needs GPUs and NCCL "
+    "(benchmarks/gpu_check.py saves and loads it there)"
+)
+
+OBJECT_STORE = (
+    "it names a real S3 bucket and an S3-compatible endpoint elsewhere; tests/test_object_storage.py runs the same "
+    "calls against moto's S3 server on 127.0.0.1"
+)
+
+EXAMPLES: dict[str, Example] = {
+    "ignite_zero.staging.Stager": Example(2, stager, check=_full_on_recipient),
+    "ignite_zero.handlers.ConsolidateZeROHandler": Example(2, zero, ("optimizer.pt",), _global_zero_state),
+    "ignite_zero.handlers.SaveOnSignal": Example(0, plain, check=_not_stopped),
+    "ignite_zero.storage.files.DiskSaver": Example(2, zero, ("ckpt/checkpoint_1.pt", "ckpt/checkpoint_2.pt")),
+    "ignite_zero.storage.sharded.ShardedSaver": Example(2, zero, ("ckpt/checkpoint_3.dcp/ignite_zero.json",)),
+    "ignite_zero.checkpoint.Checkpoint": Example(2, zero, ("ckpt/checkpoint_2.pt", "ckpt/checkpoint_3.pt")),
+    "ignite_zero.checkpoint.Checkpoint.load_latest": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
+    "ignite_zero.checkpoint.ModelCheckpoint": Example(0, plain, ("models/run_checkpoint_2.pt",)),
+    "ignite_zero.latest.find_latest": Example(2, _saved(zero, "ckpt"), check=_found_the_saved_file),
+    "ignite_zero.exporting.export": Example(0, _saved(plain, "ckpt"), ("hf/model/model.safetensors",), _bf16_weights),
+    "ignite_zero.rng.RandomState": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
+    "ignite_zero.adapters.zero.ZeROState": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
+    "ignite_zero.adapters.per_rank.PerRank": Example(2, with_sampler, ("ckpt/checkpoint_2.pt",)),
+    "ignite_zero.adapters.fairscale_fsdp.is_fairscale_fsdp_module": Example(1, parts),
+    "ignite_zero.adapters.fairscale_fsdp.FairscaleFSDPModelState": Example(2, parts, not_here=FAIRSCALE_CUDA),
+    "ignite_zero.adapters.fairscale_fsdp.FairscaleFSDPOptimizerState": Example(2, parts, not_here=FAIRSCALE_CUDA),
+    "ignite_zero.adapters.fsdp.is_fsdp_module": Example(1, parts),
+    "ignite_zero.adapters.fsdp.owns_parameters": Example(1, fsdp, check=_adapted),
+    "ignite_zero.adapters.fsdp.FSDPModelState": Example(2, fsdp, ("ckpt/checkpoint_2.pt",)),
+    "ignite_zero.adapters.fsdp.FSDPOptimizerState": Example(2, _saved(fsdp, "ckpt"), check=_named_optimizer_state),
+    "ignite_zero.adapters.fsdp.full_optimizer_state_to_plain": Example(1, plain_after_fsdp, check=_loaded_into_plain),
+    "README: Object storage": Example(2, zero, not_here=OBJECT_STORE),
+    "README: Usage": Example(2, zero, ("ckpt/checkpoint_2.pt", "ckpt/checkpoint_3.pt")),
+    "README: FSDP": Example(2, parts, ("ckpt/checkpoint_2.pt",)),
+    "README: ZeRO and OSS": Example(2, zero, check=_global_zero_state),
+    "README: Sharded checkpoints": Example(2, zero, ("ckpt/checkpoint_3.dcp/ignite_zero.json",)),
+    "README: Which ranks a save waits for": Example(2, ddp_and_sgd, ("models/run_checkpoint_2.pt",)),
+    "README: Resume from the newest valid checkpoint": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
+    "README: Saving on a signal": Example(0, with_checkpoint, check=_not_stopped),
+}
+
+
+def all_examples() -> dict[str, str]:
+    return {**docstring_examples(), **readme_examples()}
+
+
+def test_every_example_has_an_entry_and_every_entry_an_example():
+    assert sorted(all_examples()) == sorted(EXAMPLES)
+
+
+def _run(rank: int, world_size: int, code: str, example: Example) -> None:
+    namespace = example.setup(rank)  # the trainer trains what this very dict holds when it runs
+    namespace.update(torch=torch, sys=sys, idist=idist, Events=Events)
+    exec(compile(code, "<example>", "exec"), namespace)
+    trainer = namespace.get("trainer")
+    if "trainer" in code and isinstance(trainer, Engine) and trainer.state.iteration == 0:
+        trainer.run(namespace["loader"], max_epochs=2)
+    if example.check is not None:
+        example.check(namespace, rank)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_the_example_runs(name, tmp_path, monkeypatch):
+    example = EXAMPLES[name]
+    if example.not_here:
+        pytest.skip(example.not_here)
+    monkeypatch.chdir(tmp_path)  # the ranks inherit it: one directory for all
+    run_ranks(_run, max(example.ranks, 1), all_examples()[name], example, init=example.ranks > 0)
+    missing = [path for path in example.files if not (tmp_path / path).exists()]
+    assert not missing, f"{name} should have written {missing}; there are {sorted(map(str, tmp_path.rglob('*')))}"
