@@ -1,8 +1,10 @@
-"""``ignite-zero``: inspect, verify and consolidate checkpoints from the command line.
+"""``ignite-zero``: inspect, verify, consolidate and export checkpoints from the command line.
 
 ignite-zero inspect ckpt/checkpoint_3.pt          # a file, or a sharded directory (.dcp)
+ignite-zero inspect --json ckpt/checkpoint_3.pt   # the same listing for scripts; the schema is in --help
 ignite-zero verify ckpt/checkpoint_3.dcp
 ignite-zero consolidate ckpt/checkpoint_3.dcp checkpoint_3.pt
+ignite-zero export ckpt/checkpoint_3.pt hf/model --dtype bf16
 ignite-zero verify s3://bucket/run/checkpoint_3.pt --storage-option endpoint_url=http://127.0.0.1:9000
 python -m ignite_zero verify ckpt/checkpoint_3.pt
 """
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import textwrap
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -29,6 +33,33 @@ from ignite_zero.storage.places import is_url, split
 from ignite_zero.storage.readers import DirectoryReader, FileReader, reader_for
 
 __all__ = ["main"]
+
+# The status a tool killed by SIGPIPE reports to its shell (128 + 13): a reader that left early, as `| head` does.
+_EXIT_PIPE_CLOSED = 141
+
+_JSON_SCHEMA = """\
+--json prints one JSON object (schema 1):
+  {"schema": 1, "path": str, "format": "file" | "sharded", "files": int, "bytes": int,
+   "written_by": {"ignite_zero": str, "torch": str, "world_size": int} | null (another tool wrote it),
+   "objects": [{"name": str, "type": str | null (sharded), "tensors": int, "bytes": int,
+                "entries": [{"key": str (dotted path in the object, "" for the object itself),
+                             "kind": "tensor", "dtype": str, "shape": [int], "bytes": int,
+                             "shards": int (sharded only)}
+                          | {"key": str, "kind": "value",
+                             "repr": str (files only), "value": any (files only, where JSON holds it)}]}]}
+"""
+
+
+def _exit_status(*specific: str, usage: str = "wrong arguments") -> str:
+    """The epilog of a command's help: its exit statuses, then those every command shares."""
+    lines = [*specific, f"2    {usage}", f"{_EXIT_PIPE_CLOSED}  the output was closed early (e.g. `| head`)"]
+    return "exit status:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def _wrap(text: str) -> str:
+    """A description, wrapped here because the help keeps the line breaks of the exit-status tables."""
+    return textwrap.fill(text, width=100)
+
 
 # A conversion reads this much at a time, and reports its progress after each.
 _BATCH_BYTES = 256 * 2**20
@@ -51,15 +82,6 @@ def _origin(facts: Mapping[str, Any] | None, what: str) -> str:
     )
 
 
-def _describe(dtype: torch.dtype, shape: Sequence[int]) -> str:
-    numel = 1
-    for extent in shape:
-        numel *= extent
-    return (
-        f"{str(dtype).removeprefix('torch.')} {'x'.join(map(str, shape)) or 'scalar'} {_size(numel * dtype.itemsize)}"
-    )
-
-
 def _leaves(value: Any) -> list[tuple[str, Any]]:
     """Every leaf worth a line, with its dotted path: lists and tuples of plain values are shown whole."""
 
@@ -69,47 +91,109 @@ def _leaves(value: Any) -> list[tuple[str, Any]]:
     return [(".".join(map(str, path)), leaf) for path, leaf in tree.leaves(value, is_leaf=whole)]
 
 
-def _inspect_file(reader: FileReader, out: TextIO) -> int:
+def _tensor_entry(key: str, dtype: torch.dtype, shape: Sequence[int]) -> dict[str, Any]:
+    numel = 1
+    for extent in shape:
+        numel *= extent
+    name = str(dtype).removeprefix("torch.")
+    return {"key": key, "kind": "tensor", "dtype": name, "shape": list(shape), "bytes": numel * dtype.itemsize}
+
+
+def _value_entry(key: str, value: Any) -> dict[str, Any]:
+    entry = {"key": key, "kind": "value", "repr": repr(value)}
+    try:  # the value itself where JSON holds it exactly: numbers, strings, lists of them
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return entry
+    return {**entry, "value": value}
+
+
+def _object(name: str, type_name: str | None, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    tensors = [entry for entry in entries if entry["kind"] == "tensor"]
+    nbytes = sum(entry["bytes"] for entry in tensors)
+    return {"name": name, "type": type_name, "tensors": len(tensors), "bytes": nbytes, "entries": entries}
+
+
+def _written_by(facts: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return {key: facts.get(key) for key in ("ignite_zero", "torch", "world_size")} if facts else None
+
+
+def _list_file(reader: FileReader) -> dict[str, Any]:
     trailer = integrity.read_trailer(reader.stored)
     state = reader.structure(weights_only=True)
-    print(f"{reader.path}: {_size(reader.stored.size)}, {_origin(trailer, 'integrity trailer')}", file=out)
-    objects = state.items() if isinstance(state, Mapping) else [("(state)", state)]
-    for name, value in objects:
-        leaves = _leaves(value)
-        tensors = [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
-        total = sum(t.numel() * t.element_size() for t in tensors)
-        print(f"{name}: {type(value).__name__}, {len(tensors)} tensors, {_size(total)}", file=out)
-        for key, leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
-                detail = _describe(leaf.dtype, tuple(leaf.shape))
-            else:
-                text = repr(leaf)
-                detail = text if len(text) <= 60 else text[:57] + "..."
-            print(f"  {key or '(value)'}: {detail}", file=out)
-    return 0
+    objects = []
+    for name, value in state.items() if isinstance(state, Mapping) else [("(state)", state)]:
+        entries = [
+            _tensor_entry(key, leaf.dtype, tuple(leaf.shape))
+            if isinstance(leaf, torch.Tensor)
+            else _value_entry(key, leaf)
+            for key, leaf in _leaves(value)
+        ]
+        objects.append(_object(str(name), type(value).__name__, entries))
+    return {
+        "schema": 1,
+        "path": str(reader.path),
+        "format": "file",
+        "files": 1,
+        "bytes": reader.stored.size,
+        "written_by": _written_by(trailer),
+        "objects": objects,
+    }
 
 
-def _inspect_directory(reader: DirectoryReader, out: TextIO) -> int:
+def _list_directory(reader: DirectoryReader) -> dict[str, Any]:
     place = reader.place
     manifest = sharded.read_manifest(place)
     metadata = sharded.read_metadata(place)
     files = [name for name, is_directory in place.entries().items() if not is_directory]
-    total = sum(place.size(name) for name in files)
-    print(f"{reader.path}: sharded, {len(files)} files, {_size(total)}, {_origin(manifest, 'manifest')}", file=out)
-    by_object: dict[str, list[tuple[str, Any]]] = {}
+    by_object: dict[str, list[dict[str, Any]]] = {}
     for name, storage in metadata.state_dict_metadata.items():
         entry_path = sharded.path_of(metadata, name)
-        by_object.setdefault(str(entry_path[0]), []).append((".".join(map(str, entry_path[1:])), storage))
-    for name, entries in by_object.items():
-        tensors = [s for _, s in entries if isinstance(s, TensorStorageMetadata)]
-        nbytes = sum(s.size.numel() * s.properties.dtype.itemsize for s in tensors)
-        print(f"{name}: {len(tensors)} tensors, {_size(nbytes)}", file=out)
-        for key, storage in entries:
-            if isinstance(storage, TensorStorageMetadata):
-                detail = f"{_describe(storage.properties.dtype, tuple(storage.size))}, {len(storage.chunks)} shard(s)"
+        key = ".".join(map(str, entry_path[1:]))
+        if isinstance(storage, TensorStorageMetadata):
+            entry = {**_tensor_entry(key, storage.properties.dtype, tuple(storage.size)), "shards": len(storage.chunks)}
+        else:
+            entry = {"key": key, "kind": "value"}  # not read: a listing reads the metadata only
+        by_object.setdefault(str(entry_path[0]), []).append(entry)
+    return {
+        "schema": 1,
+        "path": str(reader.path),
+        "format": "sharded",
+        "files": len(files),
+        "bytes": sum(place.size(name) for name in files),
+        "written_by": _written_by(manifest),
+        "objects": [_object(name, None, entries) for name, entries in by_object.items()],
+    }
+
+
+def _print_listing(listing: Mapping[str, Any], out: TextIO) -> None:
+    if listing["format"] == "file":
+        origin = _origin(listing["written_by"], "integrity trailer")
+        print(f"{listing['path']}: {_size(listing['bytes'])}, {origin}", file=out)
+    else:
+        origin = _origin(listing["written_by"], "manifest")
+        print(f"{listing['path']}: sharded, {listing['files']} files, {_size(listing['bytes'])}, {origin}", file=out)
+    for obj in listing["objects"]:
+        kind = f"{obj['type']}, " if obj["type"] else ""
+        print(f"{obj['name']}: {kind}{obj['tensors']} tensors, {_size(obj['bytes'])}", file=out)
+        for entry in obj["entries"]:
+            if entry["kind"] == "tensor":
+                detail = f"{entry['dtype']} {'x'.join(map(str, entry['shape'])) or 'scalar'} {_size(entry['bytes'])}"
+                if "shards" in entry:
+                    detail += f", {entry['shards']} shard(s)"
             else:
-                detail = "value"
-            print(f"  {key or '(value)'}: {detail}", file=out)
+                text = entry.get("repr", "value")
+                detail = text if len(text) <= 60 else text[:57] + "..."
+            print(f"  {entry['key'] or '(value)'}: {detail}", file=out)
+
+
+def _inspect(reader: FileReader | DirectoryReader, as_json: bool, out: TextIO) -> int:
+    listing = _list_directory(reader) if isinstance(reader, DirectoryReader) else _list_file(reader)
+    if as_json:
+        json.dump(listing, out, indent=1)
+        print(file=out)
+    else:
+        _print_listing(listing, out)
     return 0
 
 
@@ -218,9 +302,12 @@ class _Progress:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ignite-zero", description="Inspect, verify, consolidate and export ignite_zero checkpoints."
+        prog="ignite-zero",
+        description="Inspect, verify, consolidate and export ignite_zero checkpoints.",
+        epilog="Each command's --help lists its exit statuses.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    raw = argparse.RawDescriptionHelpFormatter
     storage = argparse.ArgumentParser(add_help=False)
     storage.add_argument(
         "--storage-option",
@@ -236,26 +323,45 @@ def _parser() -> argparse.ArgumentParser:
         "inspect",
         parents=[storage],
         help="list the objects, tensors, shapes, dtypes and sizes of a checkpoint, and how it was written",
-        description="List the objects, tensors, shapes, dtypes and sizes of a checkpoint file or sharded "
-        "checkpoint directory, with the world size and the torch version it was saved with.",
+        description=_wrap(
+            "List the objects, tensors, shapes, dtypes and sizes of a checkpoint file or sharded checkpoint "
+            "directory, with the world size and the torch version it was saved with."
+        ),
+        epilog=_JSON_SCHEMA
+        + "\n"
+        + _exit_status("0    listed", "1    missing, or not a checkpoint (truncated, corrupt, another format)"),
+        formatter_class=raw,
     )
     inspect.add_argument("path", type=_where, help="checkpoint file, or sharded checkpoint directory: a path or a URL")
+    inspect.add_argument("--json", action="store_true", help="print the listing as JSON, for scripts (see below)")
     verify = commands.add_parser(
         "verify",
         parents=[storage],
         help="check a checkpoint against its checksums; exit 1 if it is corrupt, truncated or incomplete",
-        description="Check a checkpoint file against its integrity trailer, or a sharded directory against its "
-        "manifest. Exit status: 0 when it matches, 1 when it is corrupt, truncated or incomplete, 2 when it "
-        "carries nothing to check against.",
+        description=_wrap(
+            "Check a checkpoint file against its integrity trailer, or a sharded directory against its manifest."
+        ),
+        epilog=_exit_status(
+            "0    it matches",
+            "1    corrupt, truncated, incomplete or missing",
+            usage="wrong arguments, or nothing to check against (another tool wrote it): it loads, unverified",
+        ),
+        formatter_class=raw,
     )
     verify.add_argument("path", type=_where, help="checkpoint file, or sharded checkpoint directory: a path or a URL")
     consolidate = commands.add_parser(
         "consolidate",
         parents=[storage],
         help="turn a sharded checkpoint directory into one file that loads anywhere",
-        description="Read a sharded checkpoint directory whole and write it as one checkpoint file, which "
-        "Checkpoint.load_objects reads on any number of ranks or in one process. Holds the whole state in "
-        "memory; never overwrites.",
+        description=_wrap(
+            "Read a sharded checkpoint directory whole and write it as one checkpoint file, which "
+            "Checkpoint.load_objects reads on any number of ranks or in one process. Holds the whole state in "
+            "memory; never overwrites."
+        ),
+        epilog=_exit_status(
+            "0    written", "1    the source is missing, not a sharded directory or corrupt, or the target exists"
+        ),
+        formatter_class=raw,
     )
     consolidate.add_argument("source", type=_where, help="sharded checkpoint directory (.dcp): a path or a URL")
     consolidate.add_argument("target", type=_where, help="checkpoint file to write (a path or a URL); must not exist")
@@ -263,9 +369,16 @@ def _parser() -> argparse.ArgumentParser:
         "export",
         parents=[storage],
         help="write a model's weights as Hugging Face-style safetensors, tensor by tensor",
-        description="Write the weights of one object of a checkpoint file or sharded directory as safetensors: "
-        "model.safetensors, or shards and model.safetensors.index.json. Memory holds one tensor at a time; never "
-        "overwrites.",
+        description=_wrap(
+            "Write the weights of one object of a checkpoint file or sharded directory as safetensors: "
+            "model.safetensors, or shards and model.safetensors.index.json. Memory holds one tensor at a time; "
+            "never overwrites."
+        ),
+        epilog=_exit_status(
+            "0    written",
+            "1    the source is missing or corrupt, it has no such object, or the target exists",
+        ),
+        formatter_class=raw,
     )
     export.add_argument("source", type=_where, help="checkpoint file, or sharded checkpoint directory: a path or a URL")
     export.add_argument("target", type=_where, help="directory to write; must not exist")
@@ -332,6 +445,18 @@ def _storage_option(text: str) -> tuple[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     args = _parser().parse_args(argv)
+    try:
+        status = _run(args)
+        sys.stdout.flush()  # so that a closed pipe shows here, not as a traceback at exit
+    except BrokenPipeError:
+        # The reader left (`ignite-zero inspect big.pt | head`): end quietly. Python's own flush at exit would
+        # fail again on the dead pipe, so stdout goes to /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _EXIT_PIPE_CLOSED
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
     where = args.source if args.command in ("consolidate", "export") else args.path
     options = dict(getattr(args, "storage_option", []))
     if options and not is_url(where):
@@ -345,12 +470,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"ignite-zero: {where} does not exist", file=sys.stderr)
             return 1
         if args.command == "inspect":
-            if isinstance(reader, DirectoryReader):
-                return _inspect_directory(reader, sys.stdout)
-            return _inspect_file(reader, sys.stdout)
+            return _inspect(reader, args.json, sys.stdout)
         if args.command == "verify":
             return _verify(reader, sys.stdout)
         return _consolidate(reader, args.target, options, sys.stdout)
+    except BrokenPipeError:
+        raise  # an OSError, but not the checkpoint's: main ends quietly
     except (integrity.IntegrityError, KeyError, TypeError, ValueError, OSError) as error:
         print(f"ignite-zero: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
         return 1

@@ -1,5 +1,6 @@
 """The ignite-zero command line, run as a user runs it: a subprocess, its output and exit status."""
 
+import json
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training import assert_state_equal, tiny_model, train_step, zero_adam
 
 from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
+from ignite_zero.cli import main
 
 
 def _cli(*args):
@@ -56,10 +58,92 @@ def test_verify_of_a_file_without_trailer(tmp_path):
     assert result.returncode == 2 and "no integrity trailer" in result.stdout
 
 
-def test_help_for_each_command():
-    for command in ("inspect", "verify", "consolidate"):
-        result = _cli(command, "--help")
-        assert result.returncode == 0 and f"usage: ignite-zero {command}" in result.stdout
+def test_inspect_json_lists_the_same_as_the_text(tmp_path):
+    path = _checkpoint(tmp_path)
+    result = _cli("inspect", "--json", path)
+    assert result.returncode == 0, result.stderr
+    listing = json.loads(result.stdout)
+    assert {key: value for key, value in listing.items() if key != "objects"} == {
+        "schema": 1,
+        "path": str(path),
+        "format": "file",
+        "files": 1,
+        "bytes": path.stat().st_size,
+        "written_by": {"ignite_zero": "0.1.0", "torch": torch.__version__, "world_size": 1},
+    }
+    model, optimizer, trainer = listing["objects"]
+    assert {key: value for key, value in model.items() if key != "entries"} == {
+        "name": "model",
+        "type": "OrderedDict",
+        "tensors": 2,
+        "bytes": 32,
+    }
+    assert model["entries"][0] == {"key": "weight", "kind": "tensor", "dtype": "float32", "shape": [2, 3], "bytes": 24}
+    assert optimizer["entries"][0] == {
+        "key": "state.0.step",
+        "kind": "tensor",
+        "dtype": "float32",
+        "shape": [],
+        "bytes": 4,
+    }
+    assert {"key": "param_groups.0.params", "kind": "value", "repr": "[0, 1]", "value": [0, 1]} in optimizer["entries"]
+    assert trainer == {
+        "name": "trainer",
+        "type": "dict",
+        "tensors": 0,
+        "bytes": 0,
+        "entries": [
+            {"key": "epoch", "kind": "value", "repr": "3", "value": 3},
+            {"key": "iteration", "kind": "value", "repr": "30", "value": 30},
+        ],
+    }
+
+
+def test_inspect_json_of_values_json_cannot_hold_and_of_another_tool_s_file(tmp_path):
+    torch.save({"score": float("nan"), "when": (2026, 12), "what": {1, 2}}, tmp_path / "plain.pt")
+    result = _cli("inspect", "--json", tmp_path / "plain.pt")
+    assert result.returncode == 0, result.stderr
+    listing = json.loads(result.stdout)
+    assert listing["written_by"] is None
+    entries = {obj["name"]: obj["entries"] for obj in listing["objects"]}
+    assert entries["score"] == [{"key": "", "kind": "value", "repr": "nan"}]
+    assert entries["when"] == [{"key": "", "kind": "value", "repr": "(2026, 12)", "value": [2026, 12]}]
+    assert entries["what"] == [{"key": "", "kind": "value", "repr": "{1, 2}"}]
+
+
+def _big_checkpoint(tmp_path):
+    """About 400 KB of listing: more than a pipe holds, so the writer is still writing when the reader leaves."""
+    path = tmp_path / "big.pt"
+    DiskSaver(tmp_path)({"trainer": {f"counter_{i}": i for i in range(20_000)}}, path.name)
+    return path
+
+
+@pytest.mark.parametrize("flag", [[], ["--json"]], ids=["text", "json"])
+def test_inspect_into_a_pipe_closed_early_ends_quietly(tmp_path, flag):
+    path = _big_checkpoint(tmp_path)
+    command = f"{sys.executable} -m ignite_zero inspect {' '.join(flag)} {path} | head -n 3; exit ${{PIPESTATUS[0]}}"
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    assert result.stderr == ""  # no BrokenPipeError traceback, no "Exception ignored" at exit
+    assert result.returncode == 141  # as a tool killed by SIGPIPE
+    assert len(result.stdout.splitlines()) == 3
+
+
+def _help(capsys, *args):
+    with pytest.raises(SystemExit) as exited:
+        main(list(args))
+    return exited.value.code, capsys.readouterr()
+
+
+def test_help_for_each_command_documents_its_exit_statuses(capsys):
+    for command in ("inspect", "verify", "consolidate", "export"):
+        status, output = _help(capsys, command, "--help")
+        assert status == 0 and f"usage: ignite-zero {command}" in output.out
+        assert "exit status:\n  0    " in output.out and "\n  1    " in output.out
+        assert "\n  2    wrong arguments" in output.out and "\n  141  the output was closed early" in output.out
+        if command == "inspect":
+            assert '"entries": [{"key": str' in output.out  # the JSON schema
+    status, output = _help(capsys, "inspect")
+    assert status == 2 and "the following arguments are required: path" in output.err
 
 
 def _sharded_checkpoint(rank, world_size, dirname):
@@ -82,6 +166,12 @@ def test_sharded_directories_inspected_verified_and_consolidated(tmp_path):
     assert "sharded, 4 files" in lines[0] and f"with torch {torch.__version__} on 2 rank(s)" in lines[0]
     assert "  0.weight: float32 5x7 140 B, 1 shard(s)" in lines
     assert "  state.0.exp_avg: float32 5x7 140 B, 1 shard(s)" in lines
+    listing = json.loads(_cli("inspect", "--json", directory).stdout)
+    assert (listing["format"], listing["files"], listing["written_by"]["world_size"]) == ("sharded", 4, 2)
+    objects = {obj["name"]: obj for obj in listing["objects"]}
+    assert objects["model"]["type"] is None and objects["model"]["tensors"] == 6
+    tensor = {"key": "0.weight", "kind": "tensor", "dtype": "float32", "shape": [5, 7], "bytes": 140, "shards": 1}
+    assert tensor in objects["model"]["entries"]
 
     assert _cli("verify", directory).returncode == 0
     target = tmp_path / "one.pt"
