@@ -15,7 +15,7 @@ process group) and the setup that supplies the names the surrounding prose takes
 - ``fsdp``: the same with ``model`` in FSDP1 and its Adam;
 - a few additions named in their entry (a checkpoint saved beforehand, a ``sampler``, ``checkpoint``).
 
-Three are listed and skipped with the reason: the examples of fairscale's FSDP state classes need GPUs and NCCL, and
+Two are listed and skipped with the reason: the example of ``FairscaleFSDPModelState`` needs GPUs and NCCL, and
 README's object storage example names real remote stores.
 
 Every rank runs the setup, then the snippet (``exec``), in one working directory that all ranks share, so that
@@ -37,11 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import fairscale.nn  # noqa: F401 (for the examples that use it: forked ranks inherit it)
 import ignite.distributed as idist
 import pytest
 import torch
 import torch.distributed as dist
+from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
 from ignite.engine import Engine, Events
 from launcher import run_ranks
 from torch import nn
@@ -51,7 +51,7 @@ from training import tiny_model, train_step, zero_adam
 
 import ignite_zero
 from ignite_zero import Checkpoint, DiskSaver
-from ignite_zero.adapters import FSDPOptimizerState, ZeROState
+from ignite_zero.adapters import FairscaleFSDPOptimizerState, FSDPOptimizerState, ZeROState
 
 README = Path(__file__).parent.parent / "README.rst"
 CPU = torch.device("cpu")
@@ -242,6 +242,21 @@ def with_checkpoint(rank: int) -> dict[str, Any]:
     return namespace
 
 
+def fairscale_fsdp(rank: int) -> dict[str, Any]:
+    """fairscale's FSDP built on CPU, which runs no forward there: each rank's shard gets the gradient a backward's
+    reduce-scatter would leave, and a step; ``path`` is a file of its full optimizer state, saved beforehand."""
+    model = FairscaleFSDP(_net(), compute_device=CPU)
+    optimizer = torch.optim.Adam(model.parameters())
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    full = FairscaleFSDPOptimizerState(model, optimizer, recipient_rank=0).state_dict()
+    if rank == 0:
+        torch.save({"optimizer": full}, "saved.pt")
+    dist.barrier()
+    return {"model": model, "optimizer": optimizer, "path": "saved.pt"}
+
+
 def ddp_and_sgd(rank: int) -> dict[str, Any]:
     namespace = {"ddp_model": DistributedDataParallel(tiny_model()), "dirname": "models"}
     namespace["sgd"] = torch.optim.SGD(namespace["ddp_model"].parameters(), lr=0.1)
@@ -300,8 +315,8 @@ class Example:
 
 
 FAIRSCALE_CUDA = (
-    "fairscale's FullyShardedDataParallel gathers its state with CUDA streams: it needs GPUs and NCCL "
-    "(benchmarks/gpu_check.py saves and loads it there)"
+    "it wraps a CUDA module and saves through a Checkpoint, which runs fairscale's FSDP forward and its gathers with "
+    "CUDA streams: it needs GPUs and NCCL (benchmarks/gpu_check.py saves and loads it there)"
 )
 
 OBJECT_STORE = (
@@ -325,7 +340,9 @@ EXAMPLES: dict[str, Example] = {
     "ignite_zero.adapters.per_rank.PerRank": Example(2, with_sampler, ("ckpt/checkpoint_2.pt",)),
     "ignite_zero.adapters.fairscale_fsdp.is_fairscale_fsdp_module": Example(1, parts),
     "ignite_zero.adapters.fairscale_fsdp.FairscaleFSDPModelState": Example(2, parts, not_here=FAIRSCALE_CUDA),
-    "ignite_zero.adapters.fairscale_fsdp.FairscaleFSDPOptimizerState": Example(2, parts, not_here=FAIRSCALE_CUDA),
+    "ignite_zero.adapters.fairscale_fsdp.FairscaleFSDPOptimizerState": Example(
+        2, fairscale_fsdp, check=_full_on_recipient
+    ),
     "ignite_zero.adapters.fsdp.is_fsdp_module": Example(1, parts),
     "ignite_zero.adapters.fsdp.owns_parameters": Example(1, fsdp, check=_adapted),
     "ignite_zero.adapters.fsdp.FSDPModelState": Example(2, fsdp, ("ckpt/checkpoint_2.pt",)),
