@@ -19,8 +19,8 @@ Two are listed and skipped with the reason: the example of ``FairscaleFSDPModelS
 README's object storage example names real remote stores.
 
 Every rank runs the setup, then the snippet (``exec``), in one working directory that all ranks share, so that
-relative paths such as ``"ckpt"`` land there. If the snippet uses ``trainer`` but does not run it,
-the rank runs it for 2 epochs so that they fire. An entry may then check the namespace on each rank, and the files
+relative paths such as ``"ckpt"`` land there. If the snippet uses ``trainer`` but does not run it, the rank runs it
+for 2 epochs so that the handlers it attached fire. An entry may then check the namespace on each rank, and the files
 that must exist afterwards. A snippet that raises, or leaves the files or values it promises missing, fails.
 """
 
