@@ -13,10 +13,11 @@ process group) and the setup that supplies the names the surrounding prose takes
   (the three), ``net`` (an unwrapped twin of ``model``) and ``device`` (the CPU);
 - ``zero``: the same with ``model`` in DDP and a ``ZeroRedundancyOptimizer``;
 - ``fsdp``: the same with ``model`` in FSDP1 and its Adam;
+- ``object_store``: as ``zero``, with the ``endpoint``, ``key`` and ``secret`` of moto's S3 server on 127.0.0.1,
+  whose bucket ``bucket`` the test creates empty;
 - a few additions named in their entry (a checkpoint saved beforehand, a ``sampler``, ``checkpoint``).
 
-Two are listed and skipped with the reason: the example of ``FairscaleFSDPModelState`` needs GPUs and NCCL, and
-README's object storage example names real remote stores.
+One is listed and skipped with the reason: the example of ``FairscaleFSDPModelState`` needs GPUs and NCCL.
 
 Every rank runs the setup, then the snippet (``exec``), in one working directory that all ranks share, so that
 relative paths such as ``"ckpt"`` land there. If the snippet uses ``trainer`` but does not run it, the rank runs it
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import pkgutil
 import re
 import sys
@@ -257,6 +259,23 @@ def fairscale_fsdp(rank: int) -> dict[str, Any]:
     return {"model": model, "optimizer": optimizer, "path": "saved.pt"}
 
 
+def object_store(rank: int) -> dict[str, Any]:
+    """As ``zero``, with the ``endpoint`` of an S3-compatible store and its ``key`` and ``secret``: moto's S3 server
+    on 127.0.0.1 (``AWS_ENDPOINT_URL``, which conftest.py points there), whose bucket ``bucket`` exists."""
+    return {**zero(rank), "endpoint": os.environ["AWS_ENDPOINT_URL"], "key": "testing", "secret": "testing"}
+
+
+def _in_the_bucket(*keys: str) -> Callable[[dict[str, Any], int], None]:
+    def check(namespace: dict[str, Any], rank: int) -> None:
+        import s3fs
+
+        listed = s3fs.S3FileSystem(endpoint_url=namespace["endpoint"], skip_instance_cache=True).find("bucket")
+        for key in keys:
+            assert any(path.startswith(f"bucket/{key}") for path in listed), (key, listed)
+
+    return check
+
+
 def ddp_and_sgd(rank: int) -> dict[str, Any]:
     namespace = {"ddp_model": DistributedDataParallel(tiny_model()), "dirname": "models"}
     namespace["sgd"] = torch.optim.SGD(namespace["ddp_model"].parameters(), lr=0.1)
@@ -319,16 +338,11 @@ FAIRSCALE_CUDA = (
     "CUDA streams: it needs GPUs and NCCL (benchmarks/gpu_check.py saves and loads it there)"
 )
 
-OBJECT_STORE = (
-    "it names a real S3 bucket and an S3-compatible endpoint elsewhere; tests/test_object_storage.py runs the same "
-    "calls against moto's S3 server on 127.0.0.1"
-)
-
 EXAMPLES: dict[str, Example] = {
     "ignite_zero.staging.Stager": Example(2, stager, check=_full_on_recipient),
     "ignite_zero.handlers.ConsolidateZeROHandler": Example(2, zero, ("optimizer.pt",), _global_zero_state),
     "ignite_zero.handlers.SaveOnSignal": Example(0, plain, check=_not_stopped),
-    "ignite_zero.storage.files.DiskSaver": Example(2, zero, ("ckpt/checkpoint_1.pt", "ckpt/checkpoint_2.pt")),
+    "ignite_zero.storage.files.DiskSaver": Example(2, object_store, ("ckpt/checkpoint_1.pt", "ckpt/checkpoint_2.pt")),
     "ignite_zero.storage.sharded.ShardedSaver": Example(2, zero, ("ckpt/checkpoint_3.dcp/ignite_zero.json",)),
     "ignite_zero.checkpoint.Checkpoint": Example(2, zero, ("ckpt/checkpoint_2.pt", "ckpt/checkpoint_3.pt")),
     "ignite_zero.checkpoint.Checkpoint.load_latest": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
@@ -348,7 +362,7 @@ EXAMPLES: dict[str, Example] = {
     "ignite_zero.adapters.fsdp.FSDPModelState": Example(2, fsdp, ("ckpt/checkpoint_2.pt",)),
     "ignite_zero.adapters.fsdp.FSDPOptimizerState": Example(2, _saved(fsdp, "ckpt"), check=_named_optimizer_state),
     "ignite_zero.adapters.fsdp.full_optimizer_state_to_plain": Example(1, plain_after_fsdp, check=_loaded_into_plain),
-    "README: Object storage": Example(2, zero, not_here=OBJECT_STORE),
+    "README: Object storage": Example(2, object_store, check=_in_the_bucket("run/checkpoint_2.pt", "sharded")),
     "README: Usage": Example(2, zero, ("ckpt/checkpoint_2.pt", "ckpt/checkpoint_3.pt")),
     "README: FSDP": Example(2, parts, ("ckpt/checkpoint_2.pt",)),
     "README: ZeRO and OSS": Example(2, zero, check=_global_zero_state),
@@ -380,10 +394,17 @@ def _run(rank: int, world_size: int, code: str, example: Example) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_the_example_runs(name, tmp_path, monkeypatch):
+def test_the_example_runs(name, tmp_path, monkeypatch, request):
     example = EXAMPLES[name]
     if example.not_here:
         pytest.skip(example.not_here)
+    if example.setup is object_store:  # the store's server, and an empty bucket, before the ranks start
+        import s3fs
+
+        client = s3fs.S3FileSystem(endpoint_url=request.getfixturevalue("s3_endpoint"), skip_instance_cache=True)
+        if client.exists("bucket"):
+            client.rm("bucket", recursive=True)
+        client.mkdir("bucket")
     monkeypatch.chdir(tmp_path)  # the ranks inherit it: one directory for all
     run_ranks(_run, max(example.ranks, 1), all_examples()[name], example, init=example.ranks > 0)
     missing = [path for path in example.files if not (tmp_path / path).exists()]

@@ -63,8 +63,8 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
             handler = Checkpoint(to_save, saver, n_saved=2, consolidate_recipient_rank=1)
             trainer.add_event_handler(Events.EPOCH_COMPLETED, handler)  # rank 1 writes the files
 
-            # on an S3-compatible object store
-            saver = DiskSaver("s3://bucket/run", storage_options={"endpoint_url": "https://minio.example:9000"})
+            # on an S3-compatible object store, at its endpoint (e.g. "https://minio.example.com:9000")
+            saver = DiskSaver("s3://bucket/run", require_empty=False, storage_options={"endpoint_url": endpoint})
 
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.2.0
