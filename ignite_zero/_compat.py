@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-# DCP's writer and reader of fsspec URLs: torch 2.13 to 2.14 do not re-export them from torch.distributed.checkpoint.
+# DCP's writer and reader of fsspec URLs: torch 2.11 to 2.14 do not re-export them from torch.distributed.checkpoint.
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as DcpFsspecReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as DcpFsspecWriter
 
@@ -37,8 +37,8 @@ __all__ = [
     "zero_awaits_ddp",
 ]
 
-#: Oldest torch release this package supports: the oldest on which the whole suite is known to pass (2.13.0, the CI
-#: pin, then 2.14.1; 2.11 and 2.12 are untried, and may pass). Older releases fail it for reasons of their own:
+#: Oldest torch release this package supports: the oldest on which the whole suite is known to pass (2.11.0 and
+#: 2.12.1 once each; CI tests the 2.13.0 pin, then 2.14.1). Older releases fail it for reasons of their own:
 #: - 2.10.0, 2.9.1: ``torch.load(..., map_location="meta")`` sets no ``_checkpoint_offset`` on the storages (2.10
 #:   sets it under a fake tensor mode only), so :func:`storage_offset_in_file` refuses, and checkpoint files on an
 #:   object store cannot be read in parts: 10 tests of tests/test_object_storage.py fail, everything else passes;
@@ -50,7 +50,7 @@ __all__ = [
 #:   unsharded twin the suite compares with; the checkpoints themselves hold what FSDP2 computed;
 #: - 2.6: FSDP2 cannot run a forward on CPU (``'Stream' object has no attribute 'record_event'``), and
 #:   ``dcp.save`` takes no ``no_dist`` either.
-MIN_TORCH_VERSION = Version("2.13")
+MIN_TORCH_VERSION = Version("2.11")
 TORCH_VERSION = Version(Version(torch.__version__).base_version)
 
 if TORCH_VERSION < MIN_TORCH_VERSION:  # pragma: no cover - guarded by install_requires
@@ -146,7 +146,7 @@ def dcp_host_copies() -> tuple[Any, Any]:
 def storage_offset_in_file(storage: torch.UntypedStorage) -> int:
     """Where the bytes of a storage lie in the checkpoint file it was loaded from with ``map_location="meta"``.
 
-    ``torch.load`` records it on each meta storage as ``_checkpoint_offset`` (torch 2.13 to 2.14), the offset of the
+    ``torch.load`` records it on each meta storage as ``_checkpoint_offset`` (torch 2.11 to 2.14), the offset of the
     record's data in the zip archive; there is no public accessor.
     """
     offset = getattr(storage, "_checkpoint_offset", None)
@@ -161,7 +161,7 @@ def storage_offset_in_file(storage: torch.UntypedStorage) -> int:
 def dcp_file_system(writer: Any) -> Any:
     """The file system DCP's ``FileSystemWriter`` (or ``FsspecWriter``) writes through.
 
-    The writer keeps it in the attribute ``fs`` (torch 2.13 to 2.14) and offers no argument for it.
+    The writer keeps it in the attribute ``fs`` (torch 2.11 to 2.14) and offers no argument for it.
     """
     if not hasattr(writer, "fs"):
         raise RuntimeError(
