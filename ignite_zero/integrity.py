@@ -4,7 +4,8 @@
 never checks them when loading). :class:`SealingStream` passes what ``torch.save`` writes on to the file, computes
 the CRC-32 of the central directory (which holds every record's CRC-32, size and offset) as it passes, and, once
 ``torch.save`` returns, ends the archive with a small JSON trailer as its comment: the archive's size, that CRC-32,
-and facts for ``ignite-zero inspect`` (world size, versions). Sealing never reads back nor seeks, so it works on
+the CRC-32 of every block of the records (:class:`Blocks`, which check reads of parts of records) and facts for
+``ignite-zero inspect`` (world size, versions). Sealing never reads back nor seeks, so it works on
 streams that cannot (an upload to an object store) and costs no extra pass over the data; the comment is part of
 the zip format, so plain ``torch.load`` (``weights_only``, ``mmap``) and stock ignite load the file unchanged.
 
@@ -14,7 +15,10 @@ CRC-32 detects accidental corruption and truncation; it is not a defence against
 
 from __future__ import annotations
 
+import base64
 import bisect
+import concurrent.futures
+import functools
 import json
 import os
 import struct
@@ -22,18 +26,20 @@ import warnings
 import zipfile
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from zlib_ng import zlib_ng
 
 __all__ = [
+    "Blocks",
     "IntegrityError",
+    "ReadChecks",
     "SealingStream",
     "Stored",
     "is_legacy_format",
     "read_trailer",
-    "record_checker",
     "verify_file",
 ]
 
@@ -46,7 +52,12 @@ _ZIP64_LOCATOR = struct.Struct("<4sLQL")  # 20 bytes, right before the end recor
 _ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")
 # What an archive ends with and sealing must read: the zip64 end record, its locator and the end record.
 _ENDING = _ZIP64_EOCD.size + _ZIP64_LOCATOR.size + _EOCD.size
-_READ_CHUNK = 1 << 20
+_READ_CHUNK = 8 << 20  # one ranged GET on an object store
+# Blocks start at 64 KiB and double while there are more than 8192 of them: the table (base64, 44 KiB at most) must
+# fit the 64 KiB zip comment, and a rank reading part of a tensor reads at most one block beyond each end of it.
+_FIRST_BLOCK = 64 << 10
+_MAX_BLOCKS = 8192
+_IN_THREAD = 1 << 20  # writes from this size on have their blocks summed in another thread
 
 
 class Stored(Protocol):
@@ -98,14 +109,87 @@ def _directory_location(ending: bytes, end: int) -> tuple[int, int]:
     return offset, size
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """The CRC-32 of every block of a checkpoint file's records: the bytes ``[i * size, (i + 1) * size)`` of the
+    file for each ``i``, the last one cut at ``end``, where the central directory starts.
+
+    A part of a record is checked by reading the blocks that hold it, so that a rank can read and check its elements
+    of a tensor without the rest of it.
+    """
+
+    size: int
+    end: int
+    crc32: tuple[int, ...]
+
+    def covering(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """``(start, stop, crc32)`` of each block that holds bytes of ``[start, stop)``."""
+        if stop > self.end:
+            raise IntegrityError(f"bytes up to {stop} lie past the checked blocks, which end at {self.end}")
+        first, last = start // self.size, (stop - 1) // self.size
+        return [(i * self.size, min((i + 1) * self.size, self.end), self.crc32[i]) for i in range(first, last + 1)]
+
+    def to_json(self) -> dict[str, Any]:
+        packed = struct.pack(f">{len(self.crc32)}L", *self.crc32)
+        return {"size": self.size, "end": self.end, "crc32": base64.b64encode(packed).decode()}
+
+    @classmethod
+    def from_json(cls, value: Any) -> Blocks | None:
+        """The blocks a trailer lists; ``None`` for a file written before blocks were recorded."""
+        if not isinstance(value, dict):
+            return None
+        packed = base64.b64decode(value["crc32"])
+        blocks = cls(int(value["size"]), int(value["end"]), struct.unpack(f">{len(packed) // 4}L", packed))
+        if len(blocks.crc32) != -(-blocks.end // blocks.size):
+            raise IntegrityError(f"the trailer lists {len(blocks.crc32)} blocks for {blocks.end} bytes: it is corrupt")
+        return blocks
+
+
+class _BlockSums:
+    """The CRC-32 of each block of the bytes written, doubling the block size as :data:`_MAX_BLOCKS` requires
+    (adjacent CRC-32s combine without the data)."""
+
+    def __init__(self) -> None:
+        self.size = _FIRST_BLOCK
+        self.done: list[int] = []
+        self._crc = 0
+        self._filled = 0
+
+    def add(self, view: memoryview) -> None:
+        while len(view):
+            take = min(len(view), self.size - self._filled)
+            self._crc = zlib_ng.crc32(view[:take], self._crc)
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.size:
+                self.done.append(self._crc)
+                self._crc, self._filled = 0, 0
+                if len(self.done) == _MAX_BLOCKS:  # even: the block being filled starts on a doubled boundary
+                    pairs = zip(self.done[::2], self.done[1::2])
+                    self.done = [zlib_ng.crc32_combine(a, b, self.size) for a, b in pairs]
+                    self.size *= 2
+
+    def until(self, position: int) -> Blocks:
+        """The blocks of everything added so far, which ends at ``position``."""
+        return Blocks(self.size, position, (*self.done, self._crc) if self._filled else tuple(self.done))
+
+
+@functools.cache
+def _summer() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ignite_zero-block-sums")
+
+
+os.register_at_fork(after_in_child=_summer.cache_clear)  # a forked child has the executor, but not its thread
+
+
 class SealingStream:
     """The stream ``torch.save`` writes a checkpoint to: passes the bytes on to ``f`` and seals the archive.
 
     It holds back the last bytes written (the end records, which :meth:`seal` completes with the trailer) and
-    computes the CRC-32 of the central directory as it passes: the zip writer writes the directory in one piece,
-    from a write that starts with its first entry's signature. It also keeps the first error a write raised:
-    torch's zip writer turns it into "unexpected pos ...", and the real cause (no space left, an I/O error, the
-    store's answer) is what the user must see.
+    computes the CRC-32 of the records' blocks and of the central directory as they pass: the zip writer writes the
+    directory in one piece, from a write that starts with its first entry's signature. It also keeps the first error
+    a write raised: torch's zip writer turns it into "unexpected pos ...", and the real cause (no space left, an I/O
+    error, the store's answer) is what the user must see.
 
     Args:
         f: the file or upload stream; written to sequentially, never read nor seeked.
@@ -116,6 +200,8 @@ class SealingStream:
         self._held = b""
         self._position = 0
         self._directory: tuple[int, int, dict[int, int]] | None = None  # start, CRC-32 so far, CRC-32 at each write
+        self._block_sums = _BlockSums()
+        self._blocks: Blocks | None = None
         self.error: BaseException | None = None
 
     def write(self, data: Any) -> int:
@@ -123,6 +209,13 @@ class SealingStream:
         size = view.nbytes
         if view[: len(_DIRECTORY_SIGNATURE)] == _DIRECTORY_SIGNATURE:
             self._directory = (self._position, 0, {})
+            self._blocks = self._block_sums.until(self._position)
+        # On past a chance signature in tensor data (the directory may start later). In another thread while the
+        # bytes are passed on, since both release the GIL: a torch.save of 1.2 GB to tmpfs takes 0.85 s without the
+        # sums, 1.04 s with them in line, 0.90 s this way (medians of 15 rounds, 2 cores).
+        summing = _summer().submit(self._block_sums.add, view) if size >= _IN_THREAD else None
+        if summing is None:
+            self._block_sums.add(view)
         if self._directory is not None:
             start, crc, ends = self._directory
             crc = zlib_ng.crc32(view, crc)  # SIMD: should tensor data after a chance signature run through here
@@ -141,6 +234,9 @@ class SealingStream:
         except BaseException as error:
             self.error = self.error or error
             raise
+        finally:
+            if summing is not None:
+                summing.result()
         return size
 
     def _pass(self, data: bytes | memoryview) -> None:
@@ -167,7 +263,14 @@ class SealingStream:
                 "(a torch version this package does not know)"
             )
         crc = self._directory[2][offset + size]
-        trailer = {"format": _FORMAT, "version": _VERSION, "size": end, "directory_crc32": crc}
+        assert self._blocks is not None  # taken where the directory starts
+        trailer = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "size": end,
+            "directory_crc32": crc,
+            "blocks": self._blocks.to_json(),
+        }
         comment = json.dumps({**trailer, **facts}, sort_keys=True).encode()
         if len(comment) > 0xFFFF:
             raise ValueError("integrity facts are too long for a zip comment")
@@ -260,6 +363,10 @@ def verify_file(
                     )
                     return None
                 _check_layout(stored, f, size, archive, trailer)
+                blocks = Blocks.from_json(trailer.get("blocks"))
+                if records is True and blocks is not None:
+                    _check_blocks(stored, f, blocks, archive)  # every byte before the directory: records and headers
+                    return trailer
                 for record in archive.infolist():
                     if records is True or (callable(records) and records(record.filename)):
                         _check_record(stored, archive, record)
@@ -270,29 +377,46 @@ def verify_file(
     return trailer
 
 
-def record_checker(source: str | os.PathLike | Stored, f: IO[bytes]) -> Callable[[int, int], None]:
-    """A check of the bytes of one record read by themselves: ``check(data_offset, crc32)`` raises
-    :class:`IntegrityError` unless the record whose data starts at ``data_offset`` has that CRC-32.
+class ReadChecks:
+    """How the bytes of a file read in parts are checked: what to read so that every byte taken is covered by a
+    CRC-32, and the comparison.
+
+    A whole record is read and checked by itself, against its CRC-32 in the central directory (no byte more). A part
+    of a record is read in the blocks that hold it (:class:`Blocks`), checked against the trailer's table: at most
+    a block more on each side; in a file without that table (written by other tools or older versions), a small
+    record or the whole record.
 
     Args:
         source: the file, for messages.
-        f: the file, open.
+        f: the file, open; read for its central directory and trailer.
     """
-    with zipfile.ZipFile(f) as archive:
-        headers = sorted((info.header_offset, info.CRC, info.filename) for info in archive.infolist())
-    starts = [offset for offset, _, _ in headers]
 
-    def check(data_offset: int, crc: int) -> None:
-        index = bisect.bisect_right(starts, data_offset) - 1
-        if index < 0:
-            raise IntegrityError(f"{source}: no record holds the data at offset {data_offset}")
-        _, expected, name = headers[index]
+    def __init__(self, source: str | os.PathLike | Stored, f: IO[bytes]) -> None:
+        self._source = source
+        with zipfile.ZipFile(f) as archive:
+            infos = sorted(archive.infolist(), key=lambda info: info.header_offset)
+            trailer = _parse(archive.comment)
+        self._starts = [info.header_offset for info in infos]
+        self._records = [(info.filename, info.CRC, info.file_size) for info in infos]
+        self.blocks = None if trailer is None else Blocks.from_json(trailer.get("blocks"))
+
+    def spans(self, record: int, size: int, start: int, stop: int) -> list[tuple[int, int, int, str]]:
+        """``(start, stop, crc32, what)`` of each span of the file to read whole to check the bytes ``[start, stop)``
+        of the record whose data lies at ``[record, record + size)``: contiguous, in order."""
+        index = bisect.bisect_right(self._starts, record) - 1
+        if index < 0 or self._records[index][2] != size:
+            raise IntegrityError(f"{self._source}: no record of {size} bytes holds the data at offset {record}")
+        name, crc, _ = self._records[index]
+        whole = (start, stop) == (record, record + size)
+        if whole or self.blocks is None or size <= self.blocks.size:
+            return [(record, record + size, crc, f"record {name!r}")]
+        blocks = self.blocks.covering(start, stop)
+        return [(a, b, block_crc, f"the block [{a}, {b}) of record {name!r}") for a, b, block_crc in blocks]
+
+    def check(self, crc: int, expected: int, what: str) -> None:
+        """Raise :class:`IntegrityError` unless a span's bytes have the CRC-32 expected."""
         if crc != expected:
-            raise IntegrityError(
-                f"{source}: record {name!r} is corrupt (CRC-32 {crc:#010x}, {expected:#010x} expected)"
-            )
-
-    return check
+            raise IntegrityError(f"{self._source}: {what} is corrupt (CRC-32 {crc:#010x}, {expected:#010x} expected)")
 
 
 def _central_directory(f: IO[bytes], end: int, comment_length: int) -> tuple[int, int]:
@@ -342,6 +466,35 @@ def _check_layout(stored: Stored, f: IO[bytes], size: int, archive: zipfile.ZipF
             f"{stored}: the zip central directory is corrupt (CRC-32 {crc:#010x}, expected "
             f"{trailer['directory_crc32']:#010x})"
         )
+
+
+def _check_blocks(stored: Stored, f: IO[bytes], blocks: Blocks, archive: zipfile.ZipFile) -> None:
+    """Every block of the records against the trailer's table, read in chunks of whole blocks."""
+    f.seek(0)
+    chunk_size = max(blocks.size, _READ_CHUNK)  # both powers of two: a chunk holds whole blocks
+    for chunk_start in range(0, blocks.end, chunk_size):
+        length = min(chunk_size, blocks.end - chunk_start)
+        chunk = memoryview(f.read(length))
+        if len(chunk) != length:
+            raise IntegrityError(f"{stored} ends at {chunk_start + len(chunk)}, before its records do (truncated)")
+        for start in range(0, length, blocks.size):
+            crc = zlib_ng.crc32(chunk[start : start + blocks.size])
+            first = chunk_start + start
+            expected = blocks.crc32[first // blocks.size]
+            if crc != expected:
+                stop = min(first + blocks.size, blocks.end)
+                raise IntegrityError(
+                    f"{stored}: bytes [{first}, {stop}) ({_records_in(archive, first, stop)}) are corrupt (CRC-32 "
+                    f"{crc:#010x}, {expected:#010x} expected)"
+                )
+
+
+def _records_in(archive: zipfile.ZipFile, start: int, stop: int) -> str:
+    """The records whose headers or data lie in ``[start, stop)`` of the archive, as messages name them."""
+    infos = sorted(archive.infolist(), key=lambda info: info.header_offset)
+    ends = [info.header_offset for info in infos[1:]] + [archive.start_dir]
+    names = [info.filename for info, end in zip(infos, ends) if info.header_offset < stop and end > start]
+    return ("record " if len(names) == 1 else "records ") + ", ".join(map(repr, names))
 
 
 def _check_record(stored: Stored, archive: zipfile.ZipFile, record: zipfile.ZipInfo) -> None:

@@ -13,7 +13,9 @@ agreement (:func:`ignite_zero.agreement.settle`):
    one private copy each; one rank per host verifies its integrity. The first rank that sees it sends every
    rank that does not (a private or node-local directory) only the part it asked for. Every rank then
    checks its entries, and nothing is loaded anywhere unless every check passed.
-3. Every rank restores its objects, and learns whether all others did.
+3. Every rank restores its objects, and learns whether all others did. From an object store, FSDP objects read
+   their parts of the file here, as they copy them in (:mod:`ignite_zero.deferred`): one tensor's part at a time
+   in memory, and a read that fails leaves them partly restored, with the same error on every rank.
 
 With plain objects only, or without a process group, loading is local, as in ignite.
 """
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ignite_zero import transport, tree
+from ignite_zero import deferred, transport, tree
 from ignite_zero.adapters import ShardedState, adapt
 from ignite_zero.adapters.fsdp import (
     FSDPOptimizerState,
@@ -55,7 +57,21 @@ def restore(
 ) -> None:
     """Restore ``to_load`` from ``checkpoint``; see :meth:`ignite_zero.Checkpoint.load_objects`."""
     objects = adapt(to_load, 0)
-    reader = None if isinstance(checkpoint, Mapping) else reader_for(checkpoint, storage_options)
+    if isinstance(checkpoint, Mapping):
+        _restore(objects, checkpoint, None, weights_only, sync_timeout, kwargs)
+        return
+    with reader_for(checkpoint, storage_options) as reader:  # open until FSDP objects have read their parts
+        _restore(objects, checkpoint, reader, weights_only, sync_timeout, kwargs)
+
+
+def _restore(
+    objects: Any,
+    checkpoint: str | Path | Mapping,
+    reader: Reader | None,
+    weights_only: bool,
+    sync_timeout: float,
+    kwargs: Mapping,
+) -> None:
     rank, world_size = rank_and_world()
     if world_size == 1 or not any(isinstance(obj, ShardedState) for _, obj in tree.leaves(objects)):
         local = entries_of(objects, checkpoint) if reader is None else _verified(reader).entries(objects, weights_only)
@@ -141,7 +157,7 @@ def _distribute(entries: Any, needs: list[Any], seers: list[int]) -> Any:
         failures = []
         for r in needy:  # every needy rank is answered, with its part or with the error
             try:
-                part = _select(entries, needs[r])
+                part = deferred.realize_all(_select(entries, needs[r]))  # read here for a rank that cannot
             except Exception as error:
                 transport.send_failure(error, r, group)
                 failures.append(error)

@@ -1,15 +1,18 @@
-"""The CRC-32 of sharded checkpoints is zlib's, to the bit: manifests written before and after stay comparable."""
+"""The CRC-32 of sharded checkpoints is zlib's, to the bit: manifests written before and after stay comparable; and
+the block checksums of checkpoint files, which check reads of parts of records."""
 
 from __future__ import annotations
 
 import io
+import json
 import random
+import zipfile
 import zlib
 
 import pytest
 import torch
 
-from ignite_zero import sharded
+from ignite_zero import _compat, integrity, sharded
 from ignite_zero.storage.places import LocalPlace
 
 # both sides of the 5 KiB above which the GIL is released, and chunks DCP writes
@@ -55,3 +58,80 @@ def test_stream_and_file_checksums_are_zlibs(tmp_path):
     assert (stream.size, stream.crc) == (len(written), zlib.crc32(written))
     (tmp_path / "file").write_bytes(written)
     assert sharded._file_crc(LocalPlace(tmp_path), "file") == zlib.crc32(written)
+
+
+def _sealed(state, **facts):
+    target = io.BytesIO()
+    stream = integrity.SealingStream(target)
+    torch.save(state, stream)
+    stream.seal(**facts)
+    return target.getvalue()
+
+
+def _blocks_of(data):
+    return integrity.Blocks.from_json(json.loads(zipfile.ZipFile(io.BytesIO(data)).comment)["blocks"])
+
+
+def _expected_crcs(data, blocks):
+    starts = range(0, blocks.end, blocks.size)
+    return tuple(zlib.crc32(data[start : min(start + blocks.size, blocks.end)]) for start in starts)
+
+
+def test_sealed_files_record_the_crc32_of_every_block_of_their_records():
+    state = {"weight": torch.randn(300_001, generator=torch.Generator().manual_seed(0)), "step": torch.tensor(3.0)}
+    data = _sealed(state)
+    blocks = _blocks_of(data)
+    directory = zipfile.ZipFile(io.BytesIO(data))
+    assert blocks.size == 64 << 10 and blocks.end == data.index(b"PK\x01\x02")  # up to the central directory
+    assert blocks.crc32 == _expected_crcs(data, blocks)
+    assert len(blocks.crc32) == -(-blocks.end // blocks.size) and directory.testzip() is None
+
+
+def test_blocks_double_in_size_to_fit_the_zip_comment(monkeypatch):
+    monkeypatch.setattr(integrity, "_FIRST_BLOCK", 1024)
+    monkeypatch.setattr(integrity, "_MAX_BLOCKS", 16)
+    data = _sealed({"weight": torch.randn(50_000, generator=torch.Generator().manual_seed(1))})  # 200 KB: 196 KiB
+    blocks = _blocks_of(data)
+    assert blocks.size == 16 << 10 and len(blocks.crc32) <= 16  # 1, 2, 4, 8 then 16 KiB: combined, never re-read
+    assert blocks.crc32 == _expected_crcs(data, blocks)
+    assert torch.load(io.BytesIO(data), weights_only=True)["weight"].shape == (50_000,)
+
+
+def test_reads_are_checked_by_whole_records_and_by_blocks_for_parts():
+    state = {"big": torch.zeros(200_000), "small": torch.ones(10)}
+    for data, has_blocks in ((_sealed(state), True), (_plain_save(state), False)):
+        meta = torch.load(io.BytesIO(data), map_location="meta", weights_only=True)
+        checks = integrity.ReadChecks("file", io.BytesIO(data))
+        big = _compat.storage_offset_in_file(meta["big"].untyped_storage())
+        size = 800_000
+        (whole,) = checks.spans(big, size, big, big + size)
+        assert whole[:2] == (big, big + size) and whole[2] == zlib.crc32(data[big : big + size])
+        part = checks.spans(big, size, big + 300_000, big + 400_000)
+        if has_blocks:  # the blocks holding the part, each with the CRC-32 of its bytes
+            assert part[0][0] <= big + 300_000 < part[0][0] + (64 << 10) and part[-1][1] >= big + 400_000
+            assert all(crc == zlib.crc32(data[start:stop]) for start, stop, crc, _ in part)
+        else:  # a file of another tool: the whole record
+            assert part == [whole]
+        with pytest.raises(integrity.IntegrityError, match="no record of 5 bytes"):
+            checks.spans(big, 5, big, big + 5)
+
+
+def _plain_save(state):
+    target = io.BytesIO()
+    torch.save(state, target)
+    return target.getvalue()
+
+
+def test_a_trailer_without_blocks_is_verified_record_by_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(integrity.Blocks, "to_json", lambda self: None)  # as files sealed before blocks were
+    path = tmp_path / "older.pt"
+    path.write_bytes(_sealed({"weight": torch.randn(100_000, generator=torch.Generator().manual_seed(2))}))
+    with zipfile.ZipFile(path) as archive:
+        record = next(info for info in archive.infolist() if info.filename.endswith("data/0"))
+        assert json.loads(archive.comment)["blocks"] is None
+    assert integrity.verify_file(path) is not None
+    data = bytearray(path.read_bytes())
+    data[record.header_offset + 4096] ^= 0x01  # inside the tensor's data
+    path.write_bytes(bytes(data))
+    with pytest.raises(integrity.IntegrityError, match=r"record '.*data/0' is corrupt"):
+        integrity.verify_file(path)

@@ -1,6 +1,7 @@
 """Checkpoints on object storage, against moto's S3 server on 127.0.0.1 (see conftest.py): both modes, n_saved,
 loads on 2, 3 and 1 ranks, ranged reads, corrupt and truncated objects, interrupted saves, faults and bad input."""
 
+import io
 import os
 import signal
 import subprocess
@@ -11,9 +12,28 @@ import s3fs
 import torch
 from ignite.engine import Engine, Events
 from launcher import run_ranks
-from training import assert_state_equal, mixed_objects, mixed_twin, small_net, tiny_model, train_step, zero_adam
+from training import (
+    assert_state_equal,
+    mixed_objects,
+    mixed_twin,
+    shard,
+    small_net,
+    tiny_model,
+    train_step,
+    zero_adam,
+)
 
-from ignite_zero import Checkpoint, DiskSaver, IntegrityError, RankFailureError, ShardedSaver, cli, find_latest, sharded
+from ignite_zero import (
+    Checkpoint,
+    DiskSaver,
+    IntegrityError,
+    RankFailureError,
+    ShardedSaver,
+    _compat,
+    cli,
+    find_latest,
+    sharded,
+)
 from ignite_zero.integrity import SealingStream
 from ignite_zero.storage.places import RemotePlace, StorageError
 
@@ -188,6 +208,89 @@ def test_each_rank_reads_only_what_its_objects_need(bucket, storage_options):
     for read, size in results:
         # the model whole (a third of the file), and this rank's third of the optimizer state (two thirds)
         assert read < 0.7 * size, (read, size)
+
+
+def _wide_net(seed):
+    """Shaped like ``small_net`` (two FSDP units), with tensors of 2.5 MB: many blocks each, not divisible by 3."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(600, 1031),
+        torch.nn.ReLU(),
+        torch.nn.Sequential(torch.nn.Linear(1031, 601), torch.nn.Linear(601, 3)),
+    )
+
+
+def _fsdp_trained(kind, seed):
+    model = shard(_wide_net(seed), kind)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 600, generator=torch.Generator().manual_seed(0))).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _downloads():
+    """Count the bytes this process downloads from the store: every ranged GET of every file opened."""
+    fetched = []
+    real_fetch = s3fs.core.S3File._fetch_range
+
+    def counting_fetch(self, start, end):
+        data = real_fetch(self, start, end)
+        fetched.append(len(data))
+        return data
+
+    s3fs.core.S3File._fetch_range = counting_fetch
+    return fetched
+
+
+def _save_fsdp_then_load(rank, world_size, url, options, kind, directory):
+    model, optimizer = _fsdp_trained(kind, seed=0)
+    saver = DiskSaver(url, storage_options=options, require_empty=False)
+    checkpoint = Checkpoint({"model": model, "optimizer": optimizer}, saver)
+    checkpoint(Engine(lambda e, b: None))
+    fresh, fresh_optimizer = _fsdp_trained(kind, seed=1)
+    fetched = _downloads()
+    Checkpoint.load_objects(
+        {"model": fresh, "optimizer": fresh_optimizer}, checkpoint.last_checkpoint, storage_options=options
+    )
+    read = sum(fetched)
+    Checkpoint({"model": fresh, "optimizer": fresh_optimizer}, DiskSaver(directory))(Engine(lambda e, b: None))
+    return read, checkpoint.last_checkpoint
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+def test_fsdp_ranks_download_their_shards_of_a_file(bucket, storage_options, kind, tmp_path):
+    results = run_ranks(_save_fsdp_then_load, 3, f"{bucket}/run", storage_options, kind, tmp_path)
+    url = results[0][1]
+    saved = torch.load(io.BytesIO(_client(storage_options).cat_file(_key(url))), weights_only=True)
+    size = _client(storage_options).size(_key(url))
+    for read, _ in results:
+        # a third of every tensor; beyond each end of each part at most a block of 64 KiB and 64 KiB read ahead; the
+        # pickle, and each of 24 record headers with 64 KiB read ahead: 0.39-0.46 of the file, measured
+        assert read < 0.5 * size, (read, size)
+    reloaded = torch.load(tmp_path / "checkpoint_0.pt", weights_only=True)  # gathered again from what was loaded
+    assert_state_equal(reloaded, saved)
+
+
+def _load_corrupt(rank, world_size, url, options):
+    model, optimizer = _fsdp_trained("fsdp2", seed=1)
+    with pytest.raises(RankFailureError) as raised:
+        Checkpoint.load_objects({"model": model, "optimizer": optimizer}, url, storage_options=options)
+    return str(raised.value)
+
+
+def test_a_corrupt_block_in_a_part_is_found_by_the_rank_that_reads_it(bucket, storage_options):
+    url = run_ranks(_save_fsdp_then_load, 2, f"{bucket}/run", storage_options, "fsdp2", None)[0][1]
+    client = _client(storage_options)
+    data = bytearray(client.cat_file(_key(url)))
+    # the last quarter of the largest tensor: rank 1's rows only
+    loaded = torch.load(io.BytesIO(data), map_location="meta", weights_only=True)
+    weight = loaded["model"]["2.0.weight"]
+    offset = _compat.storage_offset_in_file(weight.untyped_storage())
+    data[offset + weight.untyped_storage().nbytes() * 3 // 4] ^= 0xFF
+    client.pipe_file(_key(url), bytes(data))
+    rank_0, rank_1 = run_ranks(_load_corrupt, 2, url, storage_options)
+    assert rank_0 == rank_1 and "rank 1: IntegrityError" in rank_1 and "rank 0:" not in rank_1.split("ranks:", 1)[1]
+    assert "of record" in rank_1 and "is corrupt" in rank_1 and _key(url) in rank_1
 
 
 def _train_and_save(rank, world_size, url, options, mode, steps):

@@ -151,8 +151,9 @@ def plan_model_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
     """How to copy this rank's part of a full model state into its shards; local, one tensor at a time.
 
     Each rank copies its rows into the local tensors of the DTensors ``state_dict()`` returns (views of the
-    shards), then ``load_state_dict`` runs FSDP2's hooks, buffers and extra state on those same tensors
-    (copying a tensor onto itself allocates nothing). The plan checks everything before it copies anything.
+    shards), and the values of plain tensors into them, then ``load_state_dict`` runs FSDP2's hooks and extra state
+    on those same tensors (copying a tensor onto itself allocates nothing). The plan checks everything before it
+    copies anything.
     """
     plan = LoadPlan(type(module).__name__, state_dict, strict)
     to_load: dict[str, Any] = {}
@@ -164,6 +165,9 @@ def plan_model_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
         if isinstance(current, DTensor):
             slot = dtensor_slot(name, current)
             plan.copy(slot.local_part(current.to_local()), slot.full_part(value))
+            value = current
+        elif isinstance(current, torch.Tensor):  # a buffer, or a parameter left whole: copied in place, one at a time
+            plan.copy(current, value)
             value = current
         to_load[raw_name] = value
     plan.call(lambda values: module.load_state_dict(values, strict=strict), to_load)

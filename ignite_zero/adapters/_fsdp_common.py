@@ -8,7 +8,6 @@ FSDP kinds differ only in how they find them.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ignite_zero import deferred
 from ignite_zero.adapters.regions import Box, Pieces
 
 __all__ = ["LoadPlan", "ParamLayout", "Slot", "add_piece", "add_value", "clean_name", "whole_slot"]
@@ -155,12 +155,12 @@ class LoadPlan:
         return value
 
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        """Copy ``source`` into ``target`` when the plan runs."""
-        self._actions.append(functools.partial(target.copy_, source))
+        """Copy ``source`` into ``target`` when the plan runs (reading it then, if deferred)."""
+        self._actions.append(lambda: target.copy_(deferred.realize(source)))
 
     def call(self, func: Callable[[Any], Any], value: Any) -> None:
-        """Call ``func(value)`` when the plan runs."""
-        self._actions.append(functools.partial(func, value))
+        """Call ``func(value)`` when the plan runs (reading the tensors of ``value`` then, if deferred)."""
+        self._actions.append(lambda: func(deferred.realize_all(value)))
 
     def check(self) -> None:
         """Raise ``RuntimeError`` if an entry does not fit (or, when strict, is missing or unexpected)."""

@@ -37,6 +37,10 @@ class ShardedState(ABC):
     .. versionadded:: 0.1.0
     """
 
+    #: Whether ``load_state_dict`` takes only its parts of the entry's full tensors, each through
+    #: :func:`ignite_zero.deferred.realize`: a reader that cannot map the file then reads each part as it is taken.
+    loads_deferred = False
+
     def __init__(self, obj: Any, recipient_rank: int = 0) -> None:
         if not isinstance(recipient_rank, int) or isinstance(recipient_rank, bool) or recipient_rank < 0:
             raise ValueError(f"Argument `recipient_rank` should be a non-negative integer, got {recipient_rank!r}")

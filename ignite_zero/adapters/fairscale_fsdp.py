@@ -241,6 +241,8 @@ def _has_extra_state(module: nn.Module) -> bool:
 class _FairscaleState(ShardedState):
     """What the model and optimizer adapters share: the module, the checks, and the refusal without CUDA."""
 
+    loads_deferred = True
+
     def __init__(self, obj: Any, module: nn.Module, recipient_rank: int, name: str | None) -> None:
         super().__init__(obj, recipient_rank)
         if not is_fairscale_fsdp_module(module):

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FlatParameter, FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
-from ignite_zero import _compat, tree
+from ignite_zero import _compat, deferred, tree
 from ignite_zero.adapters import _fsdp1, _fsdp2
 from ignite_zero.adapters._fsdp_common import ParamLayout, Slot, add_value, clean_name, whole_slot
 from ignite_zero.adapters.base import ShardedState
@@ -147,6 +147,8 @@ def _param_layouts(module: nn.Module) -> dict[int, ParamLayout]:
 
 class _FSDPState(ShardedState):
     """What the model and optimizer adapters share: the module, its kind, and the checks."""
+
+    loads_deferred = True
 
     def __init__(self, obj: Any, module: nn.Module, recipient_rank: int) -> None:
         super().__init__(obj, recipient_rank)
@@ -624,10 +626,11 @@ def _param_state(
                 if entry is None:  # a parameter without saved state (never updated): zero, as the optimizer starts
                     part.zero_()
                 elif slot.length:
-                    part.copy_(slot.full_part(entry[key]))
+                    part.copy_(deferred.realize(slot.full_part(entry[key])))
             state[key] = result
         elif isinstance(value, torch.Tensor):
             # 0-d (`step`) stays on the CPU as saved; the optimizer moves it where it wants it (fused, capturable).
+            value = deferred.realize(value)
             device = param.device if value.dim() > 0 else value.device
             state[key] = value.to(device, copy=True)
         else:

@@ -3,8 +3,10 @@ and the entries the objects of one rank need.
 
 - :class:`FileReader`: a single file (a consolidated save, or plain ``torch.save``, zip or legacy format), mapped
   with ``mmap`` where it can be, so that the ranks of one host share its pages. On an object store, each rank reads
-  the file's structure, then only the tensors its objects need, with ranged reads, each checked against its
-  record's CRC-32 as it arrives.
+  the file's structure, then only what its objects need, with ranged reads checked as they arrive
+  (:class:`~ignite_zero.integrity.ReadChecks`): the tensors of whole entries, the partition of a ZeRO optimizer,
+  and, for FSDP objects, the elements of each tensor their shards hold, read as they load
+  (:mod:`ignite_zero.deferred`).
 - :class:`DirectoryReader`: a sharded checkpoint directory (``torch.distributed.checkpoint``), from which every
   rank reads only what it needs: FSDP ranks their own shards into templates of them, ZeRO ranks the state of the
   parameters they own, and every rank the objects it holds whole.
@@ -21,11 +23,11 @@ from typing import IO, Any, cast
 
 import torch
 
-from ignite_zero import _compat, integrity, sharded, tree
+from ignite_zero import _compat, deferred, integrity, sharded, tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.adapters.zero import as_saved_optimizer_state
 from ignite_zero.agreement import rank_and_world
-from ignite_zero.storage.places import READ_BLOCK, Place, StoredFile, split
+from ignite_zero.storage.places import READ_BLOCK, SMALL_READ_BLOCK, Place, StoredFile, split
 
 __all__ = ["DirectoryReader", "FileReader", "Filled", "Reader", "entries_of", "reader_for"]
 
@@ -61,6 +63,16 @@ class Reader(ABC):
     def entries(self, objects: Mapping, weights_only: bool) -> Any:
         """The entry of every object of ``objects`` (nested as ``objects``): what it loads."""
 
+    def close(self) -> None:
+        """End the reads of deferred tensors that :meth:`entries` gave (:mod:`ignite_zero.deferred`)."""
+        return None
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
 
 class FileReader(Reader):
     """A checkpoint file: its identity is its size and the checksum its trailer holds.
@@ -75,6 +87,7 @@ class FileReader(Reader):
         self.name = name
         self.path = place.location(name)
         self.stored = StoredFile(place, name)
+        self._source: _Parts | None = None
 
     def identity(self) -> tuple[Any, ...] | None:
         if not self.place.is_file(self.name):
@@ -102,12 +115,28 @@ class FileReader(Reader):
             return entries_of(objects, self.load(weights_only))
         self._existing()
         entries = entries_of(objects, self.structure(weights_only))
-        # before any tensor is read: each sharded object's own part of its entry only
-        parts = {path: obj.part_needed() for path, obj in tree.leaves(objects) if isinstance(obj, ShardedState)}
-        for path, part in parts.items():
-            if part is not None:
+        # before any tensor is read: each sharded object's own part of its entry only, and FSDP's parts read later
+        later = {}
+        for path, obj in tree.leaves(objects):
+            if isinstance(obj, ShardedState) and obj.loads_deferred:
+                later[path] = tree.get(entries, path)
+                _replace(entries, path, None)
+            elif isinstance(obj, ShardedState) and (part := obj.part_needed()) is not None:
                 _replace(entries, path, part.select(tree.get(entries, path)))
-        return self.read_tensors(entries)
+        entries = self.read_tensors(entries)
+        for path, entry in later.items():
+            _replace(entries, path, deferred.defer(entry, self._parts()))
+        return entries
+
+    def close(self) -> None:
+        if self._source is not None:
+            self._source.close()
+            self._source = None
+
+    def _parts(self) -> _Parts:
+        if self._source is None:
+            self._source = _Parts(self)
+        return self._source
 
     def structure(self, weights_only: bool) -> Any:
         """What the file holds, with tensors on the meta device: the pickle and the record headers only (a local
@@ -120,7 +149,7 @@ class FileReader(Reader):
                 "read in parts: copy it to a local file, or save it again in the default format"
             )
         # small blocks: the pickle is read in pieces, and every record's header by itself
-        with self.place.open(self.name, block_size=_STRUCTURE_BLOCK) as f:
+        with self.place.open(self.name, block_size=SMALL_READ_BLOCK) as f:
             return torch.load(f, map_location="meta", weights_only=weights_only)
 
     def read_tensors(self, entries: Any) -> Any:
@@ -128,13 +157,13 @@ class FileReader(Reader):
         each storage checked against its record's CRC-32."""
         storages: dict[int, torch.UntypedStorage] = {}
         with self.place.open(self.name, block_size=READ_BLOCK) as f:
-            check = integrity.record_checker(self.stored, f)
+            checks = integrity.ReadChecks(self.stored, f)
 
             def real(tensor: torch.Tensor) -> torch.Tensor:
                 meta = tensor.untyped_storage()
                 offset = _compat.storage_offset_in_file(meta)
                 if offset not in storages:
-                    storages[offset] = _read_storage(f, offset, meta.nbytes(), check)
+                    storages[offset] = _read_bytes(f, checks, offset, meta.nbytes(), offset, offset + meta.nbytes())
                 copy = torch.empty(0, dtype=tensor.dtype)
                 return copy.set_(storages[offset], tensor.storage_offset(), tensor.size(), tensor.stride())
 
@@ -145,31 +174,72 @@ class FileReader(Reader):
             raise FileNotFoundError(f"Checkpoint file {self.path} does not exist on rank {rank_and_world()[0]}")
 
 
-# The structure of a file is read in blocks of this size: the pickle a few at a time, each record header in one.
-_STRUCTURE_BLOCK = 64 << 10
-
-
 def _is_structure(record: str) -> bool:
     """Whether a record of a checkpoint file is part of its structure (the pickle, versions) and not a storage."""
     return "/data/" not in record
 
 
-def _read_storage(f: IO[bytes], offset: int, nbytes: int, check: Callable[[int, int], None]) -> torch.UntypedStorage:
-    """The ``nbytes`` at ``offset`` of ``f``, read in blocks straight into a new storage, and checked."""
-    storage = torch.UntypedStorage(nbytes)
-    if nbytes == 0:
+class _Parts:
+    """Reads the views of a file's tensors that FSDP objects take (a :class:`~ignite_zero.deferred.Source`): the
+    bytes from the view's first element to its last, in the checked spans that hold them."""
+
+    def __init__(self, reader: FileReader) -> None:
+        self._f = reader.place.open(reader.name, block_size=SMALL_READ_BLOCK)
+        self._checks = integrity.ReadChecks(reader.stored, self._f)
+        self._path = reader.path
+
+    def read(self, view: torch.Tensor) -> torch.Tensor:
+        if self._f.closed:
+            raise RuntimeError(f"{self._path} was closed before this rank read all it loads from it")
+        storage = view.untyped_storage()
+        record = _compat.storage_offset_in_file(storage)
+        first, last = _extent(view)
+        size = view.element_size()
+        data = _read_bytes(self._f, self._checks, record, storage.nbytes(), record + first * size, record + last * size)
+        return torch.empty(0, dtype=view.dtype).set_(data, view.storage_offset() - first, view.size(), view.stride())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _extent(view: torch.Tensor) -> tuple[int, int]:
+    """The elements ``[first, last)`` of its storage that ``view`` spans (its strides are not negative)."""
+    first = int(view.storage_offset())
+    if view.numel() == 0:
+        return first, first
+    return first, first + sum((length - 1) * stride for length, stride in zip(view.shape, view.stride())) + 1
+
+
+def _read_bytes(
+    f: IO[bytes], checks: integrity.ReadChecks, record: int, size: int, start: int, stop: int
+) -> torch.UntypedStorage:
+    """The bytes ``[start, stop)`` of ``f``, within the record whose data lies at ``[record, record + size)``, read
+    straight into a new storage in reads of up to 8 MiB (one request each on a store) over the checked spans that
+    hold them, each span checked as its last byte arrives."""
+    storage = torch.UntypedStorage(stop - start)
+    if stop == start:
         return storage
-    view = memoryview(cast(Any, torch.empty(0, dtype=torch.uint8).set_(storage).numpy())).cast("B")
-    f.seek(offset)
-    crc, done = 0, 0
-    while done < nbytes:
-        chunk = f.read(min(READ_BLOCK, nbytes - done))
-        if not chunk:
-            raise integrity.IntegrityError(f"{f}: the file ends inside a record (truncated)")
-        view[done : done + len(chunk)] = chunk
-        crc = sharded.crc32(chunk, crc)
-        done += len(chunk)
-    check(offset, crc)
+    out = memoryview(cast(Any, torch.empty(0, dtype=torch.uint8).set_(storage).numpy())).cast("B")
+    spans = checks.spans(record, size, start, stop)  # contiguous
+    position, last = spans[0][0], spans[-1][1]
+    f.seek(position)
+    index, crc = 0, 0
+    while position < last:
+        chunk = memoryview(f.read(min(READ_BLOCK, last - position)))
+        if not len(chunk):
+            raise integrity.IntegrityError(f"{f}: the file ends inside {spans[index][3]} (truncated)")
+        low, high = max(position, start), min(position + len(chunk), stop)
+        if low < high:
+            out[low - start : high - start] = chunk[low - position : high - position]
+        while len(chunk):  # the chunk's bytes, span by span
+            _, span_stop, expected, what = spans[index]
+            taken = chunk[: span_stop - position]
+            crc = sharded.crc32(taken, crc)
+            position += len(taken)
+            chunk = chunk[len(taken) :]
+            if position == span_stop:
+                checks.check(crc, expected, what)
+                index, crc = index + 1, 0
     return storage
 
 
