@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import queue
 import shutil
+import socket
 import statistics
 import tempfile
 import threading
@@ -282,3 +283,23 @@ def summary(values: Sequence[float]) -> tuple[float, float, float]:
 def scratch_directory() -> Path:
     """A directory on the disk the benchmarks write to (``IGNITE_ZERO_BENCH_DIR``, else the temporary one)."""
     return Path(os.environ.get("IGNITE_ZERO_BENCH_DIR", tempfile.gettempdir()))
+
+
+def loopback_s3() -> tuple[Any, str]:
+    """moto's S3 server on a free loopback port, every AWS client pointed at it before any is made."""
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    return server, endpoint

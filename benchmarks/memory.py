@@ -12,6 +12,9 @@ Shard(0))`` and ``(Shard(0), Shard(1))``) on 4:
 - ``ignite_zero``: ``FSDPModelState`` and ``FSDPOptimizerState`` gather the full state on rank 1, which writes it
   with ``ignite_zero.DiskSaver``; loading reads the file with ``torch.load(mmap=True)`` on every rank and each
   rank copies its own part;
+- ``ignite_zero s3``: the same file on object storage (moto's S3 server on 127.0.0.1), loaded with
+  ``ignite_zero.Checkpoint.load_objects``: each rank reads the file's structure, then its elements of each tensor as
+  it copies them in; the table also gives the most any rank downloaded;
 - ``ignite``: ``ignite.handlers.Checkpoint(save_on_rank=0)``: every rank calls ``model.state_dict()`` and
   ``optimizer.state_dict()``, rank 0 writes; ``Checkpoint.load_objects`` loads the file on every rank. (Its files
   are not even right: the optimizer entry is rank 0's shard, and with FSDP2 the model entry too.)
@@ -40,7 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import Measurement, launch, measure, scratch_directory
+from _common import Measurement, launch, loopback_s3, measure, scratch_directory
 from ignite.engine import Engine
 from ignite.handlers import Checkpoint as IgniteCheckpoint
 from ignite.handlers import DiskSaver as IgniteDiskSaver
@@ -51,12 +54,13 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ignite_zero import DiskSaver
+from ignite_zero import Checkpoint, DiskSaver
 from ignite_zero.adapters.fsdp import FSDPModelState, FSDPOptimizerState
 
 MiB = 2**20
 WIDTH, BLOCKS, RECIPIENT, IGNITE_WRITER = 1920, 8, 1, 0
 WORLD_SIZES = {"fsdp1": 2, "fsdp2": 2, "hsdp": 4, "tp": 4}
+BUCKET = "ignite-zero-memory"
 
 
 class _Block(nn.Module):
@@ -115,7 +119,25 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def _rank(rank: int, world_size: int, kind: str, directory: Path) -> dict[str, Any]:
+def _downloads() -> list[int]:
+    """The sizes of every ranged GET this process makes from the store from now on."""
+    import s3fs
+
+    fetched: list[int] = []
+    fetch = s3fs.core.S3File._fetch_range
+
+    def counted(self: Any, start: int, end: int) -> bytes:
+        data = fetch(self, start, end)
+        fetched.append(len(data))
+        return data
+
+    s3fs.core.S3File._fetch_range = counted
+    return fetched
+
+
+def _rank(rank: int, world_size: int, kind: str, directory: Path, endpoint: str) -> dict[str, Any]:
+    import s3fs
+
     warnings.simplefilter("ignore")  # torch's and ignite's FSDP deprecation warnings, once per tensor
     torch.manual_seed(0)
     model = _shard(_Net(), kind)
@@ -144,6 +166,20 @@ def _rank(rank: int, world_size: int, kind: str, directory: Path) -> dict[str, A
         for name, adapter in ours.items():
             adapter.load_state_dict(checkpoint[name])
 
+    options = {"endpoint_url": endpoint}
+    remote = f"s3://{BUCKET}/{kind}.pt"
+    fetched = _downloads()
+
+    def load_remote() -> None:
+        if rank == RECIPIENT:  # untimed: the measurement starts from what the process holds after this
+            s3fs.S3FileSystem(**options).put(str(directory / "ours.pt"), remote)
+        dist.barrier()
+        fetched.clear()
+        gc.collect()
+        with measure() as measurement:
+            Checkpoint.load_objects(to_save, remote, storage_options=options)
+        results[("load", "ignite_zero s3")] = measurement
+
     theirs_file = directory / "ignite_checkpoint_1.pt"
 
     def load_theirs() -> None:
@@ -153,6 +189,7 @@ def _rank(rank: int, world_size: int, kind: str, directory: Path) -> dict[str, A
         ("save", "ignite_zero"): save_ours,
         ("save", "ignite"): lambda: theirs(engine),
         ("load", "ignite_zero"): load_ours,
+        ("load", "ignite_zero s3"): load_remote,
         ("load", "ignite"): load_theirs,
     }
     results: dict[tuple[str, str], Measurement | str] = {}
@@ -160,6 +197,9 @@ def _rank(rank: int, world_size: int, kind: str, directory: Path) -> dict[str, A
         gc.collect()
         dist.barrier()
         try:
+            if key[1] == "ignite_zero s3":
+                operation()  # measures itself, after its upload
+                continue
             with measure() as measurement:
                 operation()
             results[key] = measurement
@@ -168,7 +208,7 @@ def _rank(rank: int, world_size: int, kind: str, directory: Path) -> dict[str, A
     dist.barrier()
     written = {"ignite_zero": directory / "ours.pt", "ignite": theirs_file}
     files = {path: file.stat().st_size for path, file in written.items()}
-    return {"results": results, "full_bytes": full_bytes, "files": files}
+    return {"results": results, "full_bytes": full_bytes, "files": files, "downloaded": sum(fetched)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,7 +244,10 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
         full = ranks[RECIPIENT]["full_bytes"]
         for op in ("save", "load"):
             measured: dict[str, tuple[int, int, float]] = {}
-            for path, writer in (("ignite_zero", RECIPIENT), ("ignite", IGNITE_WRITER)):
+            paths = [("ignite_zero", RECIPIENT), ("ignite", IGNITE_WRITER)]
+            if op == "load":
+                paths.insert(1, ("ignite_zero s3", RECIPIENT))
+            for path, writer in paths:
                 cells = [ranks[writer]["results"][(op, path)]]
                 cells += [rank["results"][(op, path)] for index, rank in enumerate(ranks) if index != writer]
                 failures = [cell for cell in cells if isinstance(cell, str)]
@@ -216,7 +259,7 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
             for path, (recipient, other, seconds) in measured.items():
                 recipient_bound = 1.1 * full if op == "save" else other_bound
                 met = recipient <= recipient_bound and other <= other_bound
-                file = f"{ranks[RECIPIENT if path == 'ignite_zero' else IGNITE_WRITER]['files'][path] / MiB:.0f}"
+                file = f"{ranks[RECIPIENT if path == 'ignite_zero' else IGNITE_WRITER]['files'].get(path, 0) / MiB:.0f}"
                 ratios = ("", "")
                 if path == "ignite_zero" and "ignite" in measured:
                     ratios = (_ratio(recipient, measured["ignite"][0]), _ratio(other, measured["ignite"][1]))
@@ -225,7 +268,11 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
                     f"{recipient_bound / MiB:>6.0f} {other / MiB:>+6.0f} {other_bound / MiB:>6.0f} "
                     f"{'yes' if met else 'NO':>4} {seconds:>8.2f} {ratios[0]:>16} {ratios[1]:>12}"
                 )
-        lines.append(f"{kind:6} full state: {full / MiB:.0f} MiB (model + optimizer), {len(ranks)} ranks")
+        downloaded = max(rank["downloaded"] for rank in ranks) / ranks[RECIPIENT]["files"]["ignite_zero"]
+        lines.append(
+            f"{kind:6} full state: {full / MiB:.0f} MiB (model + optimizer), {len(ranks)} ranks; a load from s3 "
+            f"downloads at most {downloaded:.2f} x the file on a rank"
+        )
     return "\n".join(lines)
 
 
@@ -236,12 +283,17 @@ def main(argv: list[str] | None = None) -> None:
     directory = scratch_directory() / f"ignite_zero-memory-{os.getpid()}"
     directory.mkdir(parents=True)
     results = {}
+    server, endpoint = loopback_s3()
     try:
+        import s3fs
+
+        s3fs.S3FileSystem(endpoint_url=endpoint).mkdir(BUCKET)
         for kind in args.kinds:
-            results[kind] = launch(_rank, WORLD_SIZES[kind], kind, directory)
+            results[kind] = launch(_rank, WORLD_SIZES[kind], kind, directory, endpoint)
             for path in directory.glob("*.pt"):
                 path.unlink()
     finally:
+        server.stop()
         for path in directory.glob("*"):
             path.unlink()
         directory.rmdir()

@@ -23,16 +23,13 @@ of the ratios within each round.
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import ZeROParameters, launch, parser, summary, zero_adam_after_one_step
+from _common import ZeROParameters, launch, loopback_s3, parser, summary, zero_adam_after_one_step
 from ignite.engine import Engine
 
 from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, _compat
@@ -41,26 +38,6 @@ from ignite_zero.adapters import ZeROState
 PATHS = ("s3fs put", "consolidated", "FsspecWriter", "sharded")
 FLOORS = {"consolidated": "s3fs put", "sharded": "FsspecWriter"}
 BUCKET = "ignite-zero-bench"
-
-
-def _loopback_s3() -> tuple[Any, str]:
-    """moto's S3 server on a free loopback port, every AWS client pointed at it before any is made."""
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    endpoint = f"http://127.0.0.1:{port}"
-    os.environ.update(
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-    )
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    return server, endpoint
 
 
 def _rank(rank: int, world_size: int, count: int, runs: int, endpoint: str) -> dict[str, list[float]]:
@@ -131,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     options = parser(__doc__, [100e6])
     options.set_defaults(world_sizes=[2])
     args = options.parse_args(argv)
-    server, endpoint = _loopback_s3()
+    server, endpoint = loopback_s3()
     try:
         import s3fs
 
