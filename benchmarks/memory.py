@@ -208,7 +208,7 @@ def _rank(rank: int, world_size: int, kind: str, directory: Path, endpoint: str)
     dist.barrier()
     written = {"ignite_zero": directory / "ours.pt", "ignite": theirs_file}
     files = {path: file.stat().st_size for path, file in written.items()}
-    return {"results": results, "full_bytes": full_bytes, "files": files, "downloaded": sum(fetched)}
+    return {"results": results, "full_bytes": full_bytes, "files": files, "downloaded": (sum(fetched), len(fetched))}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,10 +268,11 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
                     f"{recipient_bound / MiB:>6.0f} {other / MiB:>+6.0f} {other_bound / MiB:>6.0f} "
                     f"{'yes' if met else 'NO':>4} {seconds:>8.2f} {ratios[0]:>16} {ratios[1]:>12}"
                 )
-        downloaded = max(rank["downloaded"] for rank in ranks) / ranks[RECIPIENT]["files"]["ignite_zero"]
+        downloaded, requests = max(rank["downloaded"] for rank in ranks)
         lines.append(
             f"{kind:6} full state: {full / MiB:.0f} MiB (model + optimizer), {len(ranks)} ranks; a load from s3 "
-            f"downloads at most {downloaded:.2f} x the file on a rank"
+            f"downloads at most {downloaded / ranks[RECIPIENT]['files']['ignite_zero']:.2f} x the file on a rank, "
+            f"in {requests} requests"
         )
     return "\n".join(lines)
 
