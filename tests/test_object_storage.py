@@ -278,8 +278,8 @@ def _load_corrupt(rank, world_size, url, options):
     return str(raised.value)
 
 
-def test_a_corrupt_block_in_a_part_is_found_by_the_rank_that_reads_it(bucket, storage_options):
-    url = run_ranks(_save_fsdp_then_load, 2, f"{bucket}/run", storage_options, "fsdp2", None)[0][1]
+def test_a_corrupt_block_in_a_part_is_found_by_the_rank_that_reads_it(bucket, storage_options, tmp_path):
+    url = run_ranks(_save_fsdp_then_load, 2, f"{bucket}/run", storage_options, "fsdp2", tmp_path)[0][1]
     client = _client(storage_options)
     data = bytearray(client.cat_file(_key(url)))
     # the last quarter of the largest tensor: rank 1's rows only
