@@ -43,7 +43,6 @@ __all__ = [
     "arguments",
     "each_configuration",
     "fsdp2_adam_after_one_step",
-    "fsync",
     "interleaved",
     "launch",
     "measure",
@@ -227,15 +226,6 @@ def interleaved(paths: Sequence[str], runs: int) -> Iterator[tuple[bool, str]]:
         shift = run % len(paths)
         for name in [*paths[shift:], *paths[:shift]]:
             yield run > 0, name
-
-
-def fsync(path: Path) -> None:
-    """Flush a file to disk, as the savers do."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def parser(description: str, params: list[float], paths: Sequence[str] = ()) -> argparse.ArgumentParser:

@@ -33,7 +33,6 @@ from _common import (
     ZeROParameters,
     arguments,
     each_configuration,
-    fsync,
     interleaved,
     measure,
     summary,
@@ -45,6 +44,7 @@ from ignite.handlers import DiskSaver as IgniteDiskSaver
 
 from ignite_zero import Checkpoint, DiskSaver
 from ignite_zero.adapters import ZeROState
+from ignite_zero.storage.places import fsync_path
 
 PATHS = ("ignite_zero", "ignite", "torch.save")
 
@@ -84,7 +84,7 @@ def _rank(rank: int, world_size: int, count: int, runs: int, directory: Path, *p
             return None
         path = directory / "floor.pt"
         torch.save(full, path)
-        fsync(path)
+        fsync_path(path)
         return path
 
     operations = {

@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import each_configuration, fsdp2_adam_after_one_step, fsync, interleaved, measure, parser, summary
+from _common import each_configuration, fsdp2_adam_after_one_step, interleaved, measure, parser, summary
 from ignite.engine import Engine
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
 from ignite_zero import Checkpoint, DiskSaver
+from ignite_zero.storage.places import fsync_path
 
 PATHS = ("ignite_zero", "get_state_dict")
 
@@ -55,7 +56,7 @@ def _rank(rank: int, world_size: int, count: int, runs: int, directory: Path, *p
         if rank == 0:
             path = directory / "torch.pt"
             torch.save({"model": model_state, "optimizer": optimizer_state}, path)
-            fsync(path)
+            fsync_path(path)
 
     operations = {"ignite_zero": save_ours, "get_state_dict": save_torch}
     records: dict[str, list[tuple[float, int]]] = {path: [] for path in paths}

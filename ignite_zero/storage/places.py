@@ -28,7 +28,7 @@ __all__ = [
     "RemotePlace",
     "StorageError",
     "StoredFile",
-    "fsync_directory",
+    "fsync_path",
     "is_url",
     "place_of",
     "split",
@@ -189,7 +189,7 @@ class LocalPlace(Place):
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
-        fsync_directory(self.path)
+        fsync_path(self.path)
 
     def write(self, name: str, dump: Callable[[IO[bytes]], object], atomic: bool = True) -> None:
         final = self.path / name
@@ -198,7 +198,7 @@ class LocalPlace(Place):
             final.unlink(missing_ok=True)
             with os.fdopen(os.open(final, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), "w+b") as f:
                 _dump_durably(dump, f)
-            fsync_directory(self.path)
+            fsync_path(self.path)
             return
         temporary = self.path / temporary_name(name)
         try:
@@ -209,7 +209,7 @@ class LocalPlace(Place):
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
-        fsync_directory(self.path)
+        fsync_path(self.path)
 
     def free_space(self) -> int:
         return shutil.disk_usage(self.path).free
@@ -221,9 +221,10 @@ def _dump_durably(dump: Callable[[IO[bytes]], object], f: IO[bytes]) -> None:
     os.fsync(f.fileno())
 
 
-def fsync_directory(dirname: Path) -> None:
-    """Make a rename (or unlink) in ``dirname`` durable: without it a power loss can revert the directory entry."""
-    fd = os.open(dirname, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """Flush a file, or a directory's entries, to disk: without it, a power loss can revert a rename or unlink in
+    the directory."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

@@ -26,7 +26,7 @@ from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
 from ignite_zero.groups import cpu_group
 from ignite_zero.storage.base import SaveRequest
 from ignite_zero.storage.directory import DirectorySaver, check_filename, package_version, serialized_size
-from ignite_zero.storage.places import LocalPlace, Place, fsync_directory
+from ignite_zero.storage.places import LocalPlace, Place, fsync_path
 
 __all__ = ["ShardedSaver"]
 
@@ -324,9 +324,9 @@ class ShardedSaver(DirectorySaver):
             partial.remove(sharded.UNCOMMITTED, recursive=False)  # committed by the manifest already: only tidies
         else:
             local, final = cast(LocalPlace, partial).path, Path(self.place.location(filename))
-            fsync_directory(local)
+            fsync_path(local)
             _install_directory(local, final)
-            fsync_directory(final.parent)
+            fsync_path(final.parent)
         size = sum(size for size, _ in listed.values())
         logger.info(
             "Saved %s (%.1f MB, %d files) in %.2f s",
