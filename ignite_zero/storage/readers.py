@@ -88,6 +88,7 @@ class FileReader(Reader):
         self.path = place.location(name)
         self.stored = StoredFile(place, name)
         self._source: _Parts | None = None
+        self._checks: integrity.ReadChecks | None = None
 
     def identity(self) -> tuple[Any, ...] | None:
         if not self.place.is_file(self.name):
@@ -157,7 +158,7 @@ class FileReader(Reader):
         each storage checked against its record's CRC-32."""
         storages: dict[int, torch.UntypedStorage] = {}
         with self.place.open(self.name, block_size=READ_BLOCK) as f:
-            checks = integrity.ReadChecks(self.stored, f)
+            checks = self.read_checks(f)
 
             def real(tensor: torch.Tensor) -> torch.Tensor:
                 meta = tensor.untyped_storage()
@@ -168,6 +169,13 @@ class FileReader(Reader):
                 return copy.set_(storages[offset], tensor.storage_offset(), tensor.size(), tensor.stride())
 
             return _map_tensors(real, entries)
+
+    def read_checks(self, f: IO[bytes]) -> integrity.ReadChecks:
+        """How reads of this file are checked, from its central directory and trailer read once (``f``: the file,
+        open, the first time)."""
+        if self._checks is None:
+            self._checks = integrity.ReadChecks(self.stored, f)
+        return self._checks
 
     def _existing(self) -> None:
         if not self.place.is_file(self.name):
@@ -185,7 +193,7 @@ class _Parts:
 
     def __init__(self, reader: FileReader) -> None:
         self._f = reader.place.open(reader.name, block_size=SMALL_READ_BLOCK)
-        self._checks = integrity.ReadChecks(reader.stored, self._f)
+        self._checks = reader.read_checks(self._f)
         self._path = reader.path
 
     def read(self, view: torch.Tensor) -> torch.Tensor:
