@@ -174,6 +174,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         self._ext_given: str | None = None  # ignite's __init__ set "pt": the saver decides unless a user sets it
         self._saver = (save_handler, saver)
         self._background = BackgroundSaves(self.sync_timeout) if async_save else None
+        self._calls = 0  # saves asked of this handler on this rank: orders the outcomes the recipient posts
 
     @property
     def saver(self) -> Saver:
@@ -203,6 +204,8 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         if not engine.has_registered_events(CheckpointEvents.SAVED_CHECKPOINT):
             engine.register_events(*CheckpointEvents)
         saver = self.saver
+        self._calls += 1
+        number = self._calls
         if self._background is not None:
             self._background.follow(engine, self.wait)
         self.wait()
@@ -227,7 +230,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                     lambda: saver.stage(objects, request),
                     what=plan.filename,
                     ranks=ranks,
-                    durable=lambda: self._finish(engine, plan, len(ranks) == 1),
+                    durable=lambda: self._finish(engine, plan, len(ranks) == 1, number),
                 )
             except Exception as error:
                 if len(ranks) == 1:
@@ -243,7 +246,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         if len(ranks) == 1 and failure is not None:
             self._tell_failure(failure)
         settle(failure, what=f"checkpoint save of {plan.filename}", timeout=self.sync_timeout, ranks=ranks)
-        self._finish(engine, plan, len(ranks) == 1)
+        self._finish(engine, plan, len(ranks) == 1, number)
 
     def wait(self) -> None:
         """Block until the asynchronous save in progress, if any, is durable; raise its error if it failed.
@@ -265,6 +268,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         rank, _ = rank_and_world()
         plan, failure = None, None
         try:
+            self.saver.check()
             plan = self._plan(engine)
             for _, obj in tree.leaves(objects):
                 if isinstance(obj, ShardedState):
@@ -293,17 +297,20 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
 
     def _plan_alone(self, engine: Engine, saver: Saver) -> _SavePlan | None:
         """A save of replicated state, which waits for nobody. A rank other than the recipient first takes up what
-        the recipient posted after its last save: its failure, raised here too, or its retained checkpoints."""
+        the recipient posted after its saves: a failure, raised here too, or the checkpoints it retained after an
+        earlier save. Not after this same save, which the recipient may have finished first: its own plan then
+        holds that checkpoint already, and every rank calls its handler, as in ignite."""
         if rank_and_world()[0] != self.consolidate_recipient_rank:
             outcome = peek(self._outcome_key(saver))
             if outcome is not None:
-                saved, failure = outcome
+                number, saved, failure = outcome
                 if failure is not None:
                     raise RankFailureError(
                         f"The last checkpoint save on rank {self.consolidate_recipient_rank}, the recipient, failed: "
                         f"{failure}. Fix its cause; this rank stops too, rather than train on without checkpoints."
                     )
-                self._retain(saved)
+                if number < self._calls:
+                    self._retain(saved)
         return self._plan(engine)
 
     def _outcome_key(self, saver: Saver) -> str:
@@ -314,7 +321,8 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
     def _tell_failure(self, failure: BaseException) -> None:
         """On the recipient of a save of replicated state: let the other ranks know, without waiting for them."""
         if rank_and_world()[0] == self.consolidate_recipient_rank:
-            post(self._outcome_key(self.saver), (self._retained(), f"{type(failure).__name__}: {failure}"))
+            text = f"{type(failure).__name__}: {failure}"
+            post(self._outcome_key(self.saver), (self._calls, self._retained(), text))
 
     def _retained(self) -> list[tuple[int | float, str]]:
         """The retained ``(priority, filename)`` pairs, oldest first, through ignite's public state."""
@@ -339,10 +347,12 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             extra=extra,
         )
 
-    def _finish(self, engine: Engine, plan: _SavePlan, alone: bool) -> None:
+    def _finish(self, engine: Engine, plan: _SavePlan, alone: bool, number: int) -> None:
+        """The save ``number`` of this handler is durable: retain it, and post it for the other ranks of a save of
+        replicated state."""
         self._retain(plan.saved)
         if alone and rank_and_world()[0] == self.consolidate_recipient_rank:
-            post(self._outcome_key(self.saver), (list(plan.saved), None))
+            post(self._outcome_key(self.saver), (number, list(plan.saved), None))
         engine.fire_event(CheckpointEvents.SAVED_CHECKPOINT)
 
     def _plan(self, engine: Engine) -> _SavePlan | None:
@@ -480,8 +490,10 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         self.wait()
         dirname = self.saver.directory
         if dirname is None:
-            raise AttributeError(
-                f"Checkpoint's `save_handler` should be a DiskSaver (with a `dirname`), given {type(self.save_handler)}"
+            raise AttributeError(  # ignite's words first: code that matches them keeps working
+                f"Checkpoint's `save_handler` should be of type `DiskSaver`, given {type(self.save_handler)}: "
+                "reload_objects reads the file from the saver's directory; this handler has none. Pass a DiskSaver "
+                "or a ShardedSaver, or load the file with Checkpoint.load_objects."
             )
         global_step = filename_components.get("global_step", None)
         filename = self._filename_pattern(global_step).format(
@@ -529,7 +541,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
 
         Raises:
             ~ignite_zero.IntegrityError: the file is truncated or corrupt.
-            KeyError: the checkpoint has no entry for an object of ``to_load``.
+            ValueError: the checkpoint has no entry for an object of ``to_load`` (ignite's error).
         """
         if not isinstance(checkpoint, (Mapping, str, Path)):
             raise TypeError(f"Argument checkpoint should be a string or a dictionary, but given {type(checkpoint)}")

@@ -42,9 +42,9 @@ def test_failed_save_keeps_previous_checkpoint_and_is_not_retried(tmp_path):
     saver = DiskSaver(tmp_path)
     original = saver._dump
 
-    def counting_dump(checkpoint, f):
+    def counting_dump(checkpoint, f, func):
         calls.append(1)
-        original(checkpoint, f)
+        original(checkpoint, f, func)
 
     saver._dump = counting_dump
     handler = Checkpoint({"model": tiny_model(), "flaky": flaky}, saver, n_saved=1)
@@ -112,7 +112,7 @@ def test_retention_removes_old_files_only_after_the_new_one_is_durable(tmp_path)
     order = []
     saver = DiskSaver(tmp_path)
     original_dump, original_remove = saver._dump, saver.remove
-    saver._dump = lambda checkpoint, f: (order.append("write"), original_dump(checkpoint, f))
+    saver._dump = lambda checkpoint, f, func: (order.append("write"), original_dump(checkpoint, f, func))
     saver.remove = lambda filename: (order.append(f"remove {filename}"), original_remove(filename))
     handler = Checkpoint({"model": tiny_model()}, saver, n_saved=1)
     engine = _engine()

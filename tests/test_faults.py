@@ -60,8 +60,8 @@ class _FailingFile:
 def _dump_through(saver, limit, error=None):
     original = saver._dump
 
-    def dump(checkpoint, f):
-        original(checkpoint, _Sealable(f, _FailingFile(f, limit, error)))
+    def dump(checkpoint, f, func):
+        original(checkpoint, _Sealable(f, _FailingFile(f, limit, error)), func)
 
     return dump
 
@@ -96,7 +96,7 @@ def _inject(fault, saver, model_size):
     elif fault == "kill before removing the old file":
         saver.remove = _die
     elif fault == "exception in the saver":
-        saver._dump = lambda checkpoint, f: (_ for _ in ()).throw(ValueError("saver bug"))
+        saver._dump = lambda checkpoint, f, func: (_ for _ in ()).throw(ValueError("saver bug"))
     elif fault == "EIO while writing":
         saver._dump = _dump_through(saver, limit=model_size // 3, error=OSError(errno.EIO, "Input/output error"))
     elif fault == "ENOSPC while writing":

@@ -126,14 +126,14 @@ class _SignallingSaver(DiskSaver):
 
     writes = 0
 
-    def _dump(self, checkpoint, f):
+    def _dump(self, checkpoint, f, func):
         self.writes += 1
         if self.writes == 2:
             f.write(b"part of a checkpoint")
         os.kill(os.getpid(), signal.SIGTERM)
         if self.writes == 2:
             (self.directory / "survived").touch()
-        super()._dump(checkpoint, f)
+        super()._dump(checkpoint, f, func)
 
 
 def _signalled_twice(dirname):

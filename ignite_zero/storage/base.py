@@ -81,6 +81,13 @@ class Saver(BaseSaveHandler):
     def bind(self, recipient: int) -> None:  # noqa: B027 (an optional hook: most savers need no recipient)
         """Learn the checkpoint's recipient rank, once, when a :class:`~ignite_zero.Checkpoint` takes the saver."""
 
+    def check(self) -> None:  # noqa: B027 (an optional hook: a saver with nothing to check before a save)
+        """Raise now what would make the next save fail on this rank (the writer's directory, say).
+
+        Called on every rank of a save of sharded state before the ranks agree on it, so that the agreement raises
+        a failure on every rank at once, instead of this rank alone failing while the others wait for it.
+        """
+
     @property
     def identity(self) -> str:
         """What tells this saver's checkpoints apart from another saver's, the same on every rank."""

@@ -70,8 +70,8 @@ class DirectorySaver(Saver):
         self._rank_given = save_on_rank is not None
         self.save_on_rank = 0 if save_on_rank is None else save_on_rank
         self._prepared = False
-        if self._rank_given:
-            self._prepare()
+        if self._rank_given or rank_and_world()[1] == 1:  # else the recipient is known once a Checkpoint binds it
+            self._prepare_now()
 
     @property
     def requested_rank(self) -> int | None:
@@ -82,7 +82,7 @@ class DirectorySaver(Saver):
         if self._rank_given and recipient != self.save_on_rank:
             raise ValueError(f"This {type(self).__name__} writes on rank {self.save_on_rank}, not on rank {recipient}")
         self.save_on_rank = recipient
-        self._prepare()
+        self._prepare_now()
 
     @property
     def identity(self) -> str:
@@ -106,6 +106,24 @@ class DirectorySaver(Saver):
     def is_writer(self) -> bool:
         """Whether this process writes the files."""
         return rank_and_world()[0] == self.save_on_rank
+
+    def check(self) -> None:
+        """On the writer: the directory exists (or is created), its bucket too, and ``require_empty`` holds."""
+        self._prepare()
+
+    def _prepare_now(self) -> None:
+        """The writer's check of its directory when the saver is made, as ignite's ``DiskSaver`` makes it.
+
+        In one process a failure raises here. In a process group it is logged here, and raised by the first save,
+        on every rank (:meth:`check`): raised on the writer alone, it would end that rank (with the process group's
+        store, under ``idist.Parallel``) and leave the others waiting for it at their first save.
+        """
+        try:
+            self._prepare()
+        except Exception as error:
+            if rank_and_world()[1] == 1:
+                raise
+            logger.error("%s (rank %d; every rank raises it at the first save)", error, rank_and_world()[0])
 
     def _prepare(self) -> None:
         if self._prepared or not self.is_writer:

@@ -308,9 +308,9 @@ class DirectoryReader(Reader):
         for path, obj in tree.leaves(objects):
             relative = {p[len(path) :] for p in saved if p[: len(path)] == path}
             if not relative:
-                raise KeyError(
-                    f"The checkpoint has no entry {'.'.join(map(str, path))} (it holds "
-                    f"{sorted({str(p[0]) for p in saved})}); load only the objects it holds, or pass the right "
+                raise ValueError(  # ignite's words first, as for a file
+                    f"Key '{'.'.join(map(str, path))}' from x is not found in y: the checkpoint has no such entry (it "
+                    f"holds {sorted({str(p[0]) for p in saved})}); load only the objects it holds, or pass the right "
                     "directory."
                 )
             template = obj.sharded_template(relative) if isinstance(obj, ShardedState) else None
@@ -353,8 +353,8 @@ def entries_of(objects: Mapping, loaded: Any) -> dict[str, Any]:
             return {key: loaded}
     missing = [key for key in objects if key not in loaded]
     if missing:
-        raise KeyError(
-            f"The checkpoint has no entry for {missing} (it holds {sorted(loaded)}); load only the objects it "
-            "holds, or pass the right file."
+        raise ValueError(  # ignite's words first (x: `to_load`, y: the checkpoint): code that matches them works
+            f"Key '{missing[0]}' from x is not found in y: the checkpoint has no entry for {missing} (it holds "
+            f"{sorted(loaded)}); load only the objects it holds, or pass the right file."
         )
     return {key: loaded[key] for key in objects}
