@@ -235,7 +235,12 @@ def settle(
         ) from failure
     failed = [(rank, text) for rank, (text, _) in zip(members, posted) if text is not None]
     if failed:
-        listing = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
+        by_text: dict[str, list[int]] = {}
+        for rank, text in failed:  # ranks that failed alike are named once: a directory none of them sees, say
+            by_text.setdefault(text, []).append(rank)
+        listing = "; ".join(
+            f"{f'rank {alike[0]}' if len(alike) == 1 else f'ranks {alike}'}: {text}" for text, alike in by_text.items()
+        )
         raise RankFailureError(f"The {what} failed on {len(failed)} of {len(posted)} ranks: {listing}") from failure
     return [value for _, value in posted]
 
@@ -281,9 +286,10 @@ def _timeout_error(
         )
     arrived = [r for r in members if r not in missing]
     return CollectiveTimeoutError(
-        f"Timed out after {timeout:g} s waiting for ranks {missing} at the {what} (ranks {arrived} arrived). It must "
-        "be called on every rank of the process group: attach checkpoint handlers on all ranks, never under "
-        "`if rank == ...`. A rank that died shows up here too. Raise `sync_timeout` if a rank is legitimately slower."
+        f"Timed out after {timeout:g} s waiting for ranks {missing} at the {what} (ranks {arrived} arrived): they "
+        "died (a lost host, say), hang, or never call it. It must be called on every rank of the process group: "
+        "attach checkpoint handlers on all ranks, never under `if rank == ...`. Raise `sync_timeout` if a rank is "
+        "legitimately slower."
     )
 
 

@@ -64,10 +64,15 @@ def find_latest(
     .. versionchanged:: 0.2.0
         ``place`` may be an fsspec URL, with ``storage_options``.
     """
-    directory = place_of(place, storage_options)  # a bad URL is refused alike on every rank, before any round
-    hosts = settle(None, what="search for the latest checkpoint", timeout=sync_timeout, payload=socket.gethostname())
+    directory, failure = None, None
+    try:
+        directory = place_of(place, storage_options)
+    except Exception as error:  # raised on every rank by the first round, not on this one alone
+        failure = error
+    hosts = settle(failure, what="search for the latest checkpoint", timeout=sync_timeout, payload=socket.gethostname())
+    assert directory is not None
     rank, _ = rank_and_world()
-    found, failure = None, None
+    found = None
     # the first rank of each host checks; one rank alone where every rank sees the same store
     if (rank == 0) if directory.remote else hosts.index(hosts[rank]) == rank:
         try:

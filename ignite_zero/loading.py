@@ -56,11 +56,18 @@ def restore(
     kwargs: Mapping,
 ) -> None:
     """Restore ``to_load`` from ``checkpoint``; see :meth:`ignite_zero.Checkpoint.load_objects`."""
-    objects = adapt(to_load, 0)
-    if isinstance(checkpoint, Mapping):
+    objects = None
+    try:
+        objects = adapt(to_load, 0)
+        reader = None if isinstance(checkpoint, Mapping) else reader_for(checkpoint, storage_options)
+    except Exception as error:  # e.g. a directory this rank may not read: the others would wait for it in round 1
+        if objects is None or _collective(objects):  # only sharded objects fail to adapt
+            settle(error, what="checkpoint load", timeout=sync_timeout)
+        raise
+    if reader is None:
         _restore(objects, checkpoint, None, weights_only, sync_timeout, kwargs)
         return
-    with reader_for(checkpoint, storage_options) as reader:  # open until FSDP objects have read their parts
+    with reader:  # open until FSDP objects have read their parts
         _restore(objects, checkpoint, reader, weights_only, sync_timeout, kwargs)
 
 
@@ -73,7 +80,7 @@ def _restore(
     kwargs: Mapping,
 ) -> None:
     rank, world_size = rank_and_world()
-    if world_size == 1 or not any(isinstance(obj, ShardedState) for _, obj in tree.leaves(objects)):
+    if not _collective(objects):
         local = entries_of(objects, checkpoint) if reader is None else _verified(reader).entries(objects, weights_only)
         local = _for_plain_optimizers(objects, local)
         _pair(objects, local, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
@@ -113,6 +120,11 @@ def _restore(
     except Exception as error:
         failure = error
     settle(failure, what="checkpoint load (restoring objects)", timeout=sync_timeout)
+
+
+def _collective(objects: Any) -> bool:
+    """Whether loading ``objects`` is a collective: sharded objects among several ranks."""
+    return rank_and_world()[1] > 1 and any(isinstance(obj, ShardedState) for _, obj in tree.leaves(objects))
 
 
 def _verified(reader: Reader) -> Reader:

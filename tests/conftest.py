@@ -26,6 +26,12 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on."""
+    return _free_port()
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """The URL of moto's S3 server, started on 127.0.0.1 for the session; every client is pointed at it."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_ranks"]
+__all__ = ["attempt", "run_ranks"]
 
 
 def _entry(rank: int, world_size: int, workdir: Path, fn: Callable[..., Any], args: tuple, init: bool) -> None:
@@ -47,6 +47,17 @@ def _entry(rank: int, world_size: int, workdir: Path, fn: Callable[..., Any], ar
     (workdir / f"result{rank}").write_bytes(payload)
     if init and outcome[0]:
         dist.destroy_process_group()
+
+
+def attempt(operation: Callable[[], Any]) -> tuple[str | None, str, float]:
+    """What ``operation`` raised (its type's name and its text; ``None`` and ``""`` if nothing), and after how many
+    seconds: what a scenario returns, so that the test compares the ranks' errors and times."""
+    started = time.monotonic()
+    try:
+        operation()
+    except Exception as error:
+        return type(error).__name__, str(error), time.monotonic() - started
+    return None, "", time.monotonic() - started
 
 
 def run_ranks(

@@ -273,7 +273,7 @@ def test_torch_save_keywords_and_the_legacy_format(tmp_path, capsys):
         warnings.simplefilter("error")  # verify reports it, without a Python warning
         assert cli.main(["verify", str(path)]) == 2
     assert "legacy format" in capsys.readouterr().out
-    saver = DiskSaver(tmp_path, require_empty=False, compression=1)  # made, as ignite's is; refused at the save, as ignite's is
+    saver = DiskSaver(tmp_path, require_empty=False, compression=1)  # made, and refused at the save, as ignite's
     with pytest.raises(TypeError, match="got an unexpected keyword argument 'compression'"):
         saver({"model": model.state_dict()}, "c.pt")
 

@@ -70,7 +70,8 @@ def test_file_names_escaping_the_directory(tmp_path):
 
 def test_missing_entry_at_load(tmp_path):
     DiskSaver(tmp_path)({"model": tiny_model().state_dict(), "trainer": {}}, "c.pt")
-    with pytest.raises(ValueError, match=r"Key .optimizer. from x is not found in y: the checkpoint has no entry for \['optimizer'\] \(it holds \['model', 'trainer'\]\)"):
+    message = r"Key 'optimizer' from x is not found in y: .* for \['optimizer'\] \(it holds \['model', 'trainer'\]\)"
+    with pytest.raises(ValueError, match=message):
         Checkpoint.load_objects(
             {"model": tiny_model(), "optimizer": torch.optim.SGD(tiny_model().parameters(), lr=1)}, tmp_path / "c.pt"
         )

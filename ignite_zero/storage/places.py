@@ -92,6 +92,10 @@ class Place(ABC):
         """The names directly inside, each mapped to whether it is a directory; empty if there is none."""
 
     @abstractmethod
+    def file_sizes(self) -> dict[str, int]:
+        """The files directly inside, each mapped to its size, from one listing; empty if there is none."""
+
+    @abstractmethod
     def is_file(self, name: str) -> bool: ...
 
     @abstractmethod
@@ -164,6 +168,11 @@ class LocalPlace(Place):
         if not self.path.is_dir():
             return {}
         return {entry.name: entry.is_dir() for entry in os.scandir(self.path)}
+
+    def file_sizes(self) -> dict[str, int]:
+        if not self.path.is_dir():
+            return {}
+        return {entry.name: entry.stat().st_size for entry in os.scandir(self.path) if entry.is_file()}
 
     def is_file(self, name: str) -> bool:
         return (self.path / name).is_file()
@@ -297,17 +306,20 @@ class RemotePlace(Place):
             self.fs.makedirs(self.root, exist_ok=True)
 
     def entries(self) -> dict[str, bool]:
+        return {name: info["type"] == "directory" for name, info in self._listing().items()}
+
+    def file_sizes(self) -> dict[str, int]:
+        return {name: int(info["size"]) for name, info in self._listing().items() if info["type"] != "directory"}
+
+    def _listing(self) -> dict[str, dict[str, Any]]:
+        """What one listing request says of each name directly under this prefix."""
         with self._answering("Listing"):
             try:
                 listed = self.fs.ls(self.root, detail=True, refresh=True)
             except FileNotFoundError:
                 return {}
-        found = {}
-        for info in listed:
-            name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-            if info["name"].rstrip("/") != self.root:
-                found[name] = info["type"] == "directory"
-        return found
+        named = {info["name"].rstrip("/"): info for info in listed}
+        return {name.rsplit("/", 1)[-1]: info for name, info in named.items() if name != self.root}
 
     def is_file(self, name: str) -> bool:
         with self._answering("Reading", name):

@@ -9,6 +9,7 @@ import ctypes
 import errno
 import logging
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +32,10 @@ from ignite_zero.storage.places import LocalPlace, Place, fsync_path
 __all__ = ["ShardedSaver"]
 
 logger = logging.getLogger(__name__)
+
+# Left by the writing rank in the directory of a job's first sharded save, read by every other rank: it tells a
+# directory that every rank shares from directories of the same path on several hosts. Hidden, and removed at once.
+_PROBE = ".ignite_zero-probe"
 
 
 class ShardedSaver(DirectorySaver):
@@ -97,6 +102,7 @@ class ShardedSaver(DirectorySaver):
             raise ValueError(f"Argument `thread_count` should be a positive integer, got {thread_count!r}")
         self.thread_count = thread_count
         self._async_writer: Any = None  # kept, with its host copies, between saves
+        self._seen_by_every_rank = False  # whether a save found the directory shared by every rank yet
         super().__init__(dirname, create_dir, require_empty, save_on_rank, storage_options)
 
     def list(self) -> list[str]:
@@ -173,7 +179,13 @@ class ShardedSaver(DirectorySaver):
                 return obj.sharded_state_dict()
             return sharded.share(obj.state_dict(), rank, world_size, request.recipient if request.collective else 0)
 
-        state = tree.map_tree(part, objects)
+        try:
+            state = tree.map_tree(part, objects)
+        except Exception as error:  # this rank's first round would be the preparation, where the others wait for it
+            if request.collective:
+                what = f"preparation of {request.filename}"
+                settle(error, what=what, timeout=request.timeout, stream=request.stream, ranks=request.ranks)
+            raise
         state = {} if state is tree.OMIT else state
         if request.is_recipient:
             state.update(request.extra)
@@ -247,7 +259,7 @@ class ShardedSaver(DirectorySaver):
         into; every rank learns whether the parts of all ranks fit on the disk."""
         check_filename(filename)
         target = self._written_into(filename)
-        failure, free = None, None
+        failure, free, probe = None, None, None
         if self.is_writer:
             try:
                 self._prepare()
@@ -258,6 +270,9 @@ class ShardedSaver(DirectorySaver):
                     target.write(sharded.UNCOMMITTED, lambda f: f.write(b""))
                 else:
                     target.make()
+                if not self._seen_by_every_rank and len(_members(ranks)) > 1:
+                    probe = secrets.token_hex(16)
+                    target.write(_PROBE, lambda f: f.write(probe.encode()))  # type: ignore[union-attr]
                 free = self.place.free_space()
             except Exception as error:
                 failure = error
@@ -267,11 +282,14 @@ class ShardedSaver(DirectorySaver):
             what=f"preparation of {filename}",
             timeout=timeout,
             stream=stream,
-            payload=(serialized_size(state), free),
+            payload=(serialized_size(state), free, probe),
             ranks=ranks,
         )
-        needed = sum(size for size, _ in reports)
-        free = next((space for _, space in reports if space is not None), None)
+        probe = next((token for _, _, token in reports if token is not None), None)
+        if probe is not None:
+            self._check_seen_by_every_rank(target, probe, filename, timeout, stream, ranks)
+        needed = sum(size for size, _, _ in reports)
+        free = next((space for _, space, _ in reports if space is not None), None)
         if free is not None and needed > free:
             raise OSError(
                 errno.ENOSPC,
@@ -288,6 +306,57 @@ class ShardedSaver(DirectorySaver):
             writer.reset(target.location())
         writer.written.clear()
         return target, writer
+
+    def _check_seen_by_every_rank(
+        self, target: Place, probe: str, filename: str, timeout: float, stream: str, ranks: Sequence[int] | None
+    ) -> None:
+        """Collective, at the first save: every rank reads the probe that the writing rank left where they are about
+        to write, so that a directory the ranks do not share fails the job's first save, not its first resume."""
+        failure, sees = None, True
+        if not self.is_writer:
+            try:
+                sees = target.read(_PROBE) == probe.encode()
+            except FileNotFoundError:
+                sees = False
+            except Exception as error:  # e.g. a directory this rank may not read: a failure of its own
+                failure = error
+        members = _members(ranks)
+        seen = settle(
+            failure, what=f"check of {filename}'s directory", timeout=timeout, stream=stream, payload=sees, ranks=ranks
+        )
+        blind = [rank for rank, sees in zip(members, seen) if not sees]
+        if blind:
+            raise self._not_shared(filename, blind, f"ranks {blind} cannot see what rank {self.save_on_rank} wrote")
+        if self.is_writer:
+            target.remove(_PROBE, recursive=False)
+            self._seen_by_every_rank = True
+
+    def _check_every_part_is_there(
+        self, partial: Place, filename: str, files: Sequence[Mapping[str, tuple[int, int]]], members: Sequence[int]
+    ) -> None:
+        """Before sealing: every rank's files are where the writing rank seals them, with the size written.
+
+        A directory that stopped being shared after the first save (a mount lost on some hosts) would otherwise
+        be sealed without their parts, and fail only at the resume.
+        """
+        present = partial.file_sizes()
+        blind = [
+            rank
+            for rank, written in zip(members, files)
+            if any(present.get(name) != size for name, (size, _) in written.items())
+        ]
+        if blind:
+            detail = f"rank {self.save_on_rank} cannot see the files that ranks {blind} wrote"
+            raise self._not_shared(filename, blind, detail)
+
+    def _not_shared(self, filename: str, blind: Sequence[int], detail: str) -> ValueError:
+        return ValueError(
+            f"The sharded checkpoint {self.place.location(filename)} cannot be saved: the directory {self.dirname} is "
+            f"not shared by every rank ({detail}). A sharded checkpoint is one directory that every rank writes its "
+            "part into: give ShardedSaver a directory that every rank shares, on a shared file system or an object "
+            "store (s3://...), or save single files with a DiskSaver, which only the recipient writes (node-local "
+            "disks too). Nothing was sealed; earlier checkpoints are kept."
+        )
 
     def _written_into(self, filename: str) -> Place:
         """Where the ranks write the checkpoint ``filename``: a hidden temporary directory renamed into place once
@@ -318,6 +387,7 @@ class ShardedSaver(DirectorySaver):
         )
         if not self.is_writer:
             return
+        self._check_every_part_is_there(partial, filename, files, _members(ranks))
         listed = {name: record for rank_files in files for name, record in rank_files.items()}
         sharded.seal(partial, listed, world_size=len(files), torch=torch.__version__, ignite_zero=package_version())
         if self.place.remote:
@@ -335,6 +405,11 @@ class ShardedSaver(DirectorySaver):
             len(listed),
             time.perf_counter() - started,
         )
+
+
+def _members(ranks: Sequence[int] | None) -> list[int]:
+    """The ranks of a save in the order of its rounds' payloads."""
+    return list(range(rank_and_world()[1])) if ranks is None else sorted(ranks)
 
 
 def _alone(ranks: Sequence[int] | None) -> bool:

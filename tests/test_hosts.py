@@ -1,0 +1,94 @@
+"""Two simulated hosts of two ranks each, every host with its own node-local disk at the same path (``hosts.py``).
+
+- A consolidated file on node-local disks is written on the recipient's host only, and loads on every rank of both
+  hosts, by path and by ``load_latest``.
+- A sharded save needs one directory that every rank shares. To node-local disks it fails at the job's first save,
+  on every rank, naming the ranks that cannot see the directory; when a host stops seeing a shared directory later,
+  the save fails before it is sealed, and the checkpoint before it still loads.
+- A host lost during a save: the other host's ranks raise within ``sync_timeout``, and the earlier checkpoint is
+  intact.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hosts import refusal, start_hosts, wait_for
+from training import assert_state_equal, tiny_model
+
+from ignite_zero import Checkpoint, cli
+
+REFUSAL = refusal()
+pytestmark = [pytest.mark.distributed, pytest.mark.skipif(REFUSAL is not None, reason=REFUSAL or "")]
+
+WORLD_SIZE = 4
+NOT_SHARED = "is not shared by every rank"
+
+
+def _results(workdir: Path, ranks: range = range(WORLD_SIZE)) -> list[Any]:
+    outcomes = {rank: pickle.loads((workdir / f"result-{rank}.pkl").read_bytes()) for rank in ranks}
+    failed = {rank: value for rank, (ok, value) in outcomes.items() if not ok}
+    assert not failed, "\n".join(f"rank {rank} raised:\n{value}" for rank, value in failed.items())
+    return [value for _, value in outcomes.values()]
+
+
+def _same_error_on_every_rank(attempts: list[tuple[str | None, str, float]], within: float) -> str:
+    assert len({(kind, text) for kind, text, _ in attempts}) == 1, attempts
+    kind, text, _ = attempts[0]
+    assert kind is not None, "no rank raised"
+    assert all(elapsed < within for _, _, elapsed in attempts), [elapsed for _, _, elapsed in attempts]
+    return text
+
+
+def test_node_local_disks_under_idist_parallel(tmp_path: Path, free_port: int) -> None:
+    wait_for(start_hosts("node_local", tmp_path, port=free_port), timeout=180)
+    seen = _results(tmp_path)
+    node_local = tmp_path / "node-local"
+
+    # the file is on the recipient's host alone, and every rank of both hosts loaded it (in the scenario)
+    assert [s["files"] for s in seen] == [["checkpoint_1.pt", "checkpoint_2.pt"]] * 2 + [None] * 2
+    assert {s["latest"] for s in seen} == {str(node_local / "files" / "checkpoint_2.pt")}
+
+    text = _same_error_on_every_rank([s["sharded"] for s in seen], within=5)
+    assert NOT_SHARED in text and "ranks [2, 3] cannot see what rank 0 wrote" in text, text
+    assert "DiskSaver" in text and "Nothing was sealed" in text
+    assert [s["sharded files"] for s in seen] == [[]] * 2 + [None] * 2  # nothing sealed, nothing left on host 1
+
+    text = _same_error_on_every_rank([s["unshared"] for s in seen], within=5)
+    assert NOT_SHARED in text and "rank 0 cannot see the files that ranks [2, 3] wrote" in text, text
+    assert [s["shared files"] for s in seen] == [["checkpoint_3.dcp"]] * WORLD_SIZE  # the earlier one, loaded too
+
+
+def test_node_local_disks_under_torchrun(tmp_path: Path, free_port: int) -> None:
+    wait_for(start_hosts("sharded_on_node_local", tmp_path, port=free_port, launcher="torchrun"), timeout=180)
+    seen = _results(tmp_path)
+    assert [s["hostname"] for s in seen] == ["host-0", "host-0", "host-1", "host-1"]
+    text = _same_error_on_every_rank([s["sharded"] for s in seen], within=5)
+    assert NOT_SHARED in text and "ranks [2, 3] cannot see" in text, text
+
+
+def test_a_host_lost_at_a_save(tmp_path: Path, free_port: int) -> None:
+    hosts = start_hosts("host_lost", tmp_path, port=free_port)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"at-save-{rank}").exists() for rank in (2, 3)):
+        assert time.monotonic() < deadline and hosts[1].process.poll() is None, hosts[1].output()
+        time.sleep(0.1)
+    hosts[1].kill()
+    wait_for(hosts[:1], timeout=60)
+    seen = _results(tmp_path, range(2))
+
+    sync_timeout = 5
+    for kind, text, elapsed in (s["lost"] for s in seen):
+        assert kind == "CollectiveTimeoutError" and "waiting for ranks [2, 3]" in text, text
+        assert sync_timeout <= elapsed < 3 * sync_timeout, elapsed
+    assert [s["files"] for s in seen] == [["checkpoint_1.pt"]] * 2
+    earlier = tmp_path / "disk-0" / "files" / "checkpoint_1.pt"
+    assert cli.main(["verify", str(earlier)]) == 0
+    model = tiny_model(seed=5)
+    Checkpoint.load_objects({"model": model}, earlier)
+    assert_state_equal(model.state_dict(), torch.load(earlier, weights_only=True)["model"])
