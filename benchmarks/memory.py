@@ -26,7 +26,7 @@ an ``mmap``'d file's pages are shared page cache, not a rank's own memory. The p
 with ``MALLOC_MMAP_THRESHOLD_`` set (and every rank sets glibc's thresholds with ``mallopt``), so that freed
 tensors go back to the system instead of hiding later growth.
 
-The bounds are DESIGN.md's invariant 4: a rank that is not the recipient grows by at most twice the largest
+The bounds on a rank's memory: a rank that is not the recipient grows by at most twice the largest
 FSDP unit's state (parameters and Adam state) plus 16 MiB, during saves and loads; the recipient (the writing
 rank for ignite) by at most 1.1 times the full state.
 """

@@ -52,9 +52,10 @@ from _common import (
 from ignite.engine import Engine
 from torch.distributed.tensor import DTensor
 
-from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, sharded
+from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
 from ignite_zero.adapters import ZeROState
 from ignite_zero.adapters.fsdp import FSDPModelState, FSDPOptimizerState
+from ignite_zero.storage.sharded import share
 
 PATHS = ("dcp.save", "sharded", "consolidated", "sharded async", "consolidated async", "memcpy")
 KINDS = ("zero", "fsdp2")
@@ -73,8 +74,8 @@ def _state(kind: str, count: int, rank: int, world_size: int) -> tuple[dict[str,
             return {"model": model.state_dict(), "optimizer": ZeROState(optimizer).sharded_state_dict()}
 
         # its share of the model (which every rank holds) and its optimizer shard
-        share = sharded.share(model.state_dict(), rank, world_size, keeper=0)
-        staged = _tensors({"model": share, "optimizer": ZeROState(optimizer).sharded_state_dict()})
+        part = share(model.state_dict(), rank, world_size, keeper=0)
+        staged = _tensors({"model": part, "optimizer": ZeROState(optimizer).sharded_state_dict()})
     else:
         model, optimizer = fsdp2_adam_after_one_step(count)
         model_state, optimizer_state = FSDPModelState(model, 0), FSDPOptimizerState(model, optimizer, 0)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
-import re
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -33,8 +32,8 @@ from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, RankFailureError, busy, 
 from ignite_zero.background import BackgroundSaves
 from ignite_zero.latest import find_latest
 from ignite_zero.loading import restore
+from ignite_zero.naming import check_filename, read_name
 from ignite_zero.storage import Saver, SaveRequest, as_saver, saver_for
-from ignite_zero.storage.directory import check_filename
 
 __all__ = ["Checkpoint", "ModelCheckpoint"]
 
@@ -461,24 +460,21 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         return kept if self.n_saved is None else kept[-self.n_saved :]
 
     def _priority_in(self, filename: str) -> int | float | None:
-        """The priority that this handler's file name pattern put in ``filename``: its score, else its global step."""
-        fields = {
-            "filename_prefix": re.escape(self.filename_prefix),
-            "ext": re.escape(self.ext),
-            "name": r"[^/]+?",
-            "score_name": re.escape(self.score_name or ""),
-            "score": r"(?P<score>-?[0-9.]+(?:e[-+]?[0-9]+)?)",
-            "global_step": r"(?P<global_step>[0-9]+)",
-        }
+        """The priority that this handler's file name pattern put in ``filename``, read by the rule of
+        :mod:`ignite_zero.naming`: its score, else its global step."""
         with_step = self.score_function is None or self.global_step_transform is not None
-        pattern = re.escape(self._filename_pattern(0 if with_step else None)).replace(r"\{", "{").replace(r"\}", "}")
-        match = re.fullmatch(pattern.format(**fields), filename)
-        if match is None:
+        found = read_name(
+            filename,
+            self._filename_pattern(0 if with_step else None),
+            ext=self.ext,
+            filename_prefix=self.filename_prefix,
+            score_name=self.score_name or "",
+        )
+        if found is None:
             return None
-        if self.score_function is not None and match.groupdict().get("score") is not None:
-            return float(match["score"])
-        step = match.groupdict().get("global_step")
-        return None if step is None else int(step)
+        if self.score_function is not None and found["score"] is not None:
+            return float(found["score"])
+        return None if found["global_step"] is None else int(found["global_step"])
 
     def reload_objects(self, to_load: Mapping, load_kwargs: dict | None = None, **filename_components: Any) -> None:
         """Load ``to_load`` from one of this handler's files, named by ``filename_components`` (``name``,

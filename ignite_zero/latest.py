@@ -13,23 +13,19 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 from collections.abc import Mapping
 from typing import Any
 
-from ignite_zero import sharded
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
 from ignite_zero.integrity import IntegrityError
+from ignite_zero.naming import global_step_of
 from ignite_zero.storage.places import Place, place_of
-from ignite_zero.storage.readers import DirectoryReader, FileReader
+from ignite_zero.storage.readers import is_candidate, reader_at
 
 __all__ = ["find_latest"]
 
 logger = logging.getLogger(__name__)
-
-# The number that ends a default file name: `_300.pt`, `_300_acc=0.9000.pt`.
-_NUMBER = re.compile(r"_(\d+)(?:_[^_=]+=[^_=]+)?\.(?:pt|dcp)$")
 
 
 def find_latest(
@@ -91,21 +87,23 @@ def _newest_valid(place: Place, prefix: str) -> tuple[Any, str] | None:
         for name, is_directory in place.entries().items()
         if _is_candidate(name, is_directory, prefix)
     }
-    numbers = {name: _NUMBER.search(name) for name in candidates}
-    by_number = all(numbers.values())
+    steps = {name: global_step_of(name) for name in candidates}
+    by_number = all(step is not None for step in steps.values())
+
+    readers = {name: reader_at(place, name, is_directory) for name, is_directory in candidates.items()}
 
     def key(name: str) -> tuple[Any, ...]:
-        try:  # a prefix of an object store has no time of its own: its manifest, written last, has
-            modified = place.modified(f"{name}/{sharded.MANIFEST}" if candidates[name] and place.remote else name)
+        try:
+            modified = readers[name].modified()
         except FileNotFoundError:  # uncommitted, or removed meanwhile: verification says so below
             modified = 0.0
-        match = numbers[name]
-        return (int(match.group(1)), modified) if by_number and match is not None else (modified,)
+        step = steps[name]
+        return (step, modified) if by_number and step is not None else (modified,)
 
     for name in sorted(candidates, key=key, reverse=True):
         location = place.location(name)
         try:
-            reader = DirectoryReader(place.child(name)) if candidates[name] else FileReader(place, name)
+            reader = readers[name]
             if reader.identity() is None:
                 raise IntegrityError(f"{location} is no longer there")
             reader.verify()
@@ -119,4 +117,4 @@ def _newest_valid(place: Place, prefix: str) -> tuple[Any, str] | None:
 def _is_candidate(name: str, is_directory: bool, prefix: str) -> bool:
     if name.startswith(".") or (prefix and not name.startswith(f"{prefix}_")):
         return False
-    return (name.endswith(".pt") and not is_directory) or (name.endswith(".dcp") and is_directory)
+    return is_candidate(name, is_directory)

@@ -31,14 +31,7 @@ import torch
 from torch import nn
 
 from ignite_zero import deferred, transport, tree
-from ignite_zero.adapters import ShardedState, adapt
-from ignite_zero.adapters.fsdp import (
-    FSDPOptimizerState,
-    full_optimizer_state_to_plain,
-    owns_parameters,
-    plain_optimizer_state_to_full,
-)
-from ignite_zero.adapters.zero import ZeROState
+from ignite_zero.adapters import ShardedState, adapt, in_loadable_form
 from ignite_zero.agreement import rank_and_world, settle
 from ignite_zero.groups import cpu_group
 from ignite_zero.storage.readers import Filled, Reader, entries_of, reader_for
@@ -193,44 +186,11 @@ def _pair(objects: Any, entries: Any, func: Callable[[str, Any, Any], Any]) -> A
 
 
 def _for_plain_optimizers(objects: Any, entries: Any) -> Any:
-    """Entries saved by parameter name (from an FSDP model, or by ``get_state_dict``) for optimizers that load
-    index-keyed state (plain ones, ZeRO and OSS), in that form; and index-keyed entries of plain optimizers for
-    FSDP optimizers, by name.
-
-    The names are those of the parameters in the model the optimizer updates, which must be in ``to_load``.
-    """
+    """Each entry in the form its object loads (:func:`~ignite_zero.adapters.in_loadable_form`): optimizer state
+    saved by parameter name for optimizers that load it by index, and the other way round. The names are those of
+    the parameters in the model the optimizer updates, which must be in ``to_load``."""
     models = [obj for _, obj in tree.leaves(objects) if isinstance(obj, nn.Module)]
-
-    def translate(path: str, obj: Any, entry: Any) -> Any:
-        if isinstance(obj, FSDPOptimizerState) and _lists_positions(entry):  # a plain optimizer's file
-            return plain_optimizer_state_to_full(obj.module, entry)
-        optimizer = obj.obj if isinstance(obj, ZeROState) else obj
-        if not (isinstance(optimizer, torch.optim.Optimizer) and _names_parameters(entry)):
-            return entry
-        model = next((m for m in models if owns_parameters(m, optimizer)), None)
-        if model is None:
-            raise ValueError(
-                f"The checkpoint entry {path} names its parameters (it was saved from an FSDP model): load it together "
-                "with the model whose parameters the optimizer updates, e.g. {'model': model, 'optimizer': optimizer}"
-            )
-        # ZeRO's exposed param_groups are the global ones: the same index-keyed state as a plain optimizer's
-        return full_optimizer_state_to_plain(model, optimizer, entry)
-
-    return _pair(objects, entries, translate)
-
-
-def _lists_positions(entry: Any) -> bool:
-    groups = entry.get("param_groups") if isinstance(entry, Mapping) else None
-    if not groups or not isinstance(groups[0], Mapping):
-        return False
-    return all(isinstance(p, int) for p in groups[0]["params"])
-
-
-def _names_parameters(entry: Any) -> bool:
-    groups = entry.get("param_groups") if isinstance(entry, Mapping) else None
-    if not groups or not isinstance(groups[0], Mapping):
-        return False
-    return any(isinstance(p, str) for p in groups[0]["params"])
+    return _pair(objects, entries, lambda path, obj, entry: in_loadable_form(path, obj, entry, models))
 
 
 def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:

@@ -1,8 +1,8 @@
 """The sharded format: a ``torch.distributed.checkpoint`` (DCP) directory that every rank writes its part of.
 
 DCP writes one file per rank and, last, ``.metadata``; a directory without it is incomplete. On top of DCP, this
-module adds what a checkpoint must carry (DESIGN.md invariants 5 and 6): every file's CRC-32 is computed while it
-is written (a stream that passes the bytes through, :class:`ChecksummingWriter`), and the coordinator seals the
+module adds what every checkpoint of ours carries, a record to verify it by: every file's CRC-32 is computed while
+it is written (a stream that passes the bytes through, :class:`ChecksummingWriter`), and the coordinator seals the
 directory with a manifest, ``ignite_zero.json``, listing each file with its size and checksum. :func:`verify`
 checks a directory against its manifest.
 
@@ -13,7 +13,6 @@ metadata, or ``DTensor``\\ s of the rank's own shards for FSDP) and DCP fills th
 from __future__ import annotations
 
 import io
-import itertools
 import json
 import os
 import warnings
@@ -27,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from zlib_ng import zlib_ng
 
-from ignite_zero import _compat, tree
+from ignite_zero import _compat
 from ignite_zero.integrity import IntegrityError
 from ignite_zero.storage.places import Place, RemotePlace, place_of
 
@@ -35,6 +34,7 @@ __all__ = [
     "MANIFEST",
     "ChecksummingWriter",
     "UNCOMMITTED",
+    "check_committed",
     "crc32",
     "is_committed",
     "is_sharded_checkpoint",
@@ -47,7 +47,6 @@ __all__ = [
     "in_one_process",
     "read_metadata",
     "seal",
-    "share",
     "template",
     "verify",
 ]
@@ -237,6 +236,13 @@ def is_committed(where: str | os.PathLike | Place) -> bool:
     return place.is_file(MANIFEST) if place.remote else place.is_file(_METADATA)
 
 
+def check_committed(place: Place) -> None:
+    """Raise :class:`IntegrityError` unless ``place`` is a complete checkpoint directory (see :func:`is_committed`)."""
+    if not is_committed(place):
+        missing = MANIFEST if place.remote else _METADATA
+        raise IntegrityError(f"{place} is not a complete checkpoint: it has no {missing} (interrupted save?)")
+
+
 def seal(where: Place, files: Mapping[str, tuple[int, int]], **facts: Any) -> None:
     """Write the manifest of a checkpoint directory, durably: every file's size and CRC-32, and ``facts``."""
     manifest = {
@@ -274,9 +280,7 @@ def verify(where: str | os.PathLike | Place) -> dict[str, Any] | None:
             corrupt file.
     """
     place = place_of(where)
-    if not is_committed(place):
-        missing = MANIFEST if place.remote else _METADATA
-        raise IntegrityError(f"{place} is not a complete checkpoint: it has no {missing} (interrupted save?)")
+    check_committed(place)
     manifest = read_manifest(place)
     if manifest is None:
         warnings.warn(
@@ -362,31 +366,6 @@ def nest(metadata: Metadata, flat: Mapping[str, Any]) -> dict[str, Any]:
         else:
             node[path[-1]] = value
     return nested
-
-
-def share(state: Any, rank: int, world_size: int, keeper: int) -> Any:
-    """This rank's share of a state that every rank holds alike (a DDP model, a trainer): its tensors are dealt
-    round-robin over the ranks, everything else is kept by ``keeper``.
-
-    Every rank then writes, and an asynchronous save stages, about ``1/world_size`` of such objects instead of all
-    of them. Lists holding tensors stay whole with ``keeper`` (their positions are part of the names).
-
-    Returns:
-        The share, :data:`ignite_zero.tree.OMIT` in place of what this rank does not keep.
-    """
-    dealt = itertools.count()
-
-    def deal(_: tree.Path, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value if next(dealt) % world_size == rank else tree.OMIT
-        return value if rank == keeper else tree.OMIT
-
-    def whole(value: Any) -> bool:  # only mappings that hold tensors are dealt item by item
-        return not (
-            isinstance(value, Mapping) and any(isinstance(leaf, torch.Tensor) for _, leaf in tree.leaves(value))
-        )
-
-    return tree.map_tree(deal, state, is_leaf=whole)
 
 
 def load(state: dict[str, Any], where: str | os.PathLike | Place) -> None:

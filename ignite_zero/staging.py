@@ -6,8 +6,9 @@ when the tensor at the same position keeps its shape and dtype, so a steady run 
 first save. Buffers for CUDA tensors are pinned: device-to-host copies then run at full bandwidth (a fresh
 ``.cpu()`` per tensor was measured 35 times slower on an H200), asynchronously, synchronised once per stage.
 
-The cost is one staged copy of what each rank contributes, held for the life of the handler: the exception to
-DESIGN.md's invariant 4 that asynchronous saves make.
+The cost is one staged copy of what each rank contributes, held for the life of the handler: the one exception
+that asynchronous saves make to the bound on a rank's memory (a rank holds its own part, and a bounded buffer
+beyond it).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ DEFAULT_CHUNK_BYTES = 16 * 2**20
 _PACK_BELOW_BYTES = 2**20
 
 # A sender stages at most 1/_STAGING_SHARE of what it sends (1 MiB at least): the staging buffer stays a
-# small share of a rank's shard at any world size (DESIGN.md invariant 4).
+# small share of a rank's shard at any world size, so that a rank never holds much more than its own part.
 _STAGING_SHARE = 16
 _MIN_AUTO_CHUNK_BYTES = 2**20
 

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training import assert_state_equal, mixed_objects, small_net, tiny_model, train_step, zero_adam
 
 from ignite_zero import Checkpoint, IntegrityError, ShardedSaver, sharded, tree
+from ignite_zero.storage.sharded import share
 
 pytestmark = pytest.mark.distributed
 
@@ -197,7 +198,7 @@ def test_optimizers_without_state_yet(tmp_path):
 
 def test_every_rank_writes_a_share_of_what_all_ranks_hold():
     state = {"a": torch.zeros(1), "b": {"c": torch.ones(1), "d": 3}, "e": [torch.ones(2)], "f": "x"}
-    shares = [sharded.share(state, rank, 2, keeper=1) for rank in range(2)]
+    shares = [share(state, rank, 2, keeper=1) for rank in range(2)]
     assert list(shares[0]) == ["a"] and list(shares[1]) == ["b", "e", "f"]
     assert list(shares[1]["b"]) == ["c", "d"]  # tensors dealt round-robin; the rest, and lists, with the keeper
-    assert sharded.share({"x": 1}, 0, 2, keeper=1) is tree.OMIT
+    assert share({"x": 1}, 0, 2, keeper=1) is tree.OMIT

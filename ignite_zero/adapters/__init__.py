@@ -8,6 +8,7 @@ with stock ignite's ``Checkpoint`` and with ``torch.distributed.checkpoint`` too
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,9 +25,11 @@ from ignite_zero.adapters.fairscale_fsdp import (
 from ignite_zero.adapters.fsdp import (
     FSDPModelState,
     FSDPOptimizerState,
+    full_optimizer_state_to_plain,
     holds_sharded_parameters,
     is_fsdp_module,
     owns_parameters,
+    plain_optimizer_state_to_full,
 )
 from ignite_zero.adapters.per_rank import PerRank
 from ignite_zero.adapters.zero import ZeROState
@@ -42,6 +45,7 @@ __all__ = [
     "ZeROState",
     "adapt",
     "copy_structure",
+    "in_loadable_form",
 ]
 
 
@@ -106,3 +110,47 @@ def _adapt(path: str, obj: Any, models: list[nn.Module], recipient_rank: int) ->
                 "e.g. {'model': model, 'optimizer': optimizer}."
             )
     return obj
+
+
+def in_loadable_form(path: str, obj: Any, entry: Any, models: list[nn.Module]) -> Any:
+    """``entry`` in the form that ``obj`` (as :func:`adapt` made it) loads, where it was saved in the other form of
+    optimizer state: by parameter names (from an FSDP model, or by ``get_state_dict``) for optimizers that load
+    index-keyed state (plain ones, ZeRO and OSS), and index-keyed (a plain optimizer's file) for the optimizers of FSDP
+    models, by name. Any other entry as it is.
+
+    Args:
+        path: the entry, for messages.
+        obj: the object it loads into.
+        entry: the saved entry.
+        models: the models being loaded with it, among which the one whose parameters the optimizer updates.
+
+    Raises:
+        ValueError: the entry names parameters, and none of ``models`` holds the optimizer's parameters.
+    """
+    if isinstance(obj, FSDPOptimizerState) and _lists_positions(entry):  # a plain optimizer's file
+        return plain_optimizer_state_to_full(obj.module, entry)
+    optimizer = obj.obj if isinstance(obj, ZeROState) else obj
+    if not (isinstance(optimizer, torch.optim.Optimizer) and _names_parameters(entry)):
+        return entry
+    model = next((m for m in models if owns_parameters(m, optimizer)), None)
+    if model is None:
+        raise ValueError(
+            f"The checkpoint entry {path} names its parameters (it was saved from an FSDP model): load it together "
+            "with the model whose parameters the optimizer updates, e.g. {'model': model, 'optimizer': optimizer}"
+        )
+    # ZeRO's exposed param_groups are the global ones: the same index-keyed state as a plain optimizer's
+    return full_optimizer_state_to_plain(model, optimizer, entry)
+
+
+def _lists_positions(entry: Any) -> bool:
+    groups = entry.get("param_groups") if isinstance(entry, Mapping) else None
+    if not groups or not isinstance(groups[0], Mapping):
+        return False
+    return all(isinstance(p, int) for p in groups[0]["params"])
+
+
+def _names_parameters(entry: Any) -> bool:
+    groups = entry.get("param_groups") if isinstance(entry, Mapping) else None
+    if not groups or not isinstance(groups[0], Mapping):
+        return False
+    return any(isinstance(p, str) for p in groups[0]["params"])

@@ -18,7 +18,15 @@ from torch import nn
 from torch.distributed.fsdp import FlatParameter, FullyShardedDataParallel, ShardingStrategy
 
 from ignite_zero import _compat
-from ignite_zero.adapters._fsdp_common import LoadPlan, ParamLayout, Slot, add_value, clean_name, whole_slot
+from ignite_zero.adapters._fsdp_common import (
+    LoadPlan,
+    ParamLayout,
+    Slot,
+    add_value,
+    clean_name,
+    has_extra_state,
+    whole_slot,
+)
 from ignite_zero.adapters.regions import Pieces
 
 __all__ = ["check", "model_pieces", "param_layouts", "plan_model_load"]
@@ -85,10 +93,6 @@ def _plain_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield (f"{prefix}." if prefix else ""), m
 
 
-def _has_extra_state(module: nn.Module) -> bool:
-    return type(module).get_extra_state is not nn.Module.get_extra_state
-
-
 def _unmanaged_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """A module's own parameters that FSDP1 did not flatten (ignored ones): whole on every rank."""
     for name, param in module.named_parameters(recurse=False):
@@ -122,7 +126,7 @@ def model_pieces(module: nn.Module) -> Pieces:
             add()
         for name, value in [*_unmanaged_parameters(m), *_persistent_buffers(m)]:
             add_value(pieces, (prefix + name,), value)
-        if _has_extra_state(m):
+        if has_extra_state(m):
             add_value(pieces, (prefix + "_extra_state",), m.get_extra_state())
     return pieces
 
@@ -147,7 +151,7 @@ def plan_model_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
             saved = plan.expect(prefix + name, tuple(value.shape))
             if saved is not None:
                 plan.copy(value, saved)
-        if _has_extra_state(m):
+        if has_extra_state(m):
             saved = plan.expect(prefix + "_extra_state", None)
             if saved is not None:
                 plan.call(m.set_extra_state, saved)

@@ -14,11 +14,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from ignite_zero import deferred
 from ignite_zero.adapters.regions import Box, Pieces
 
-__all__ = ["LoadPlan", "ParamLayout", "Slot", "add_piece", "add_value", "clean_name", "whole_slot"]
+__all__ = [
+    "LoadPlan",
+    "ParamLayout",
+    "Slot",
+    "add_piece",
+    "add_value",
+    "clean_name",
+    "has_extra_state",
+    "whole_slot",
+]
 
 # Name segments that wrappers insert and the unwrapped module's state_dict() lacks: FSDP1's wrapper,
 # activation checkpointing's wrapper, torch.compile's OptimizedModule (DSD drops the same ones).
@@ -28,6 +38,11 @@ _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_modu
 def clean_name(name: str) -> str:
     """``name`` as in the unwrapped module's ``state_dict()``."""
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def has_extra_state(module: nn.Module) -> bool:
+    """Whether ``module`` defines ``get_extra_state``: an entry of its own in the state dict, beside its tensors."""
+    return type(module).get_extra_state is not nn.Module.get_extra_state
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ignite_zero import _compat
-from ignite_zero.adapters._fsdp_common import LoadPlan, ParamLayout, Slot, add_value, clean_name, whole_slot
+from ignite_zero.adapters._fsdp_common import (
+    LoadPlan,
+    ParamLayout,
+    Slot,
+    add_value,
+    clean_name,
+    has_extra_state,
+    whole_slot,
+)
 from ignite_zero.adapters.base import ShardedState
 
 # The optimizer state is the FSDP1/FSDP2 adapters' format: their helpers build, check and split it.
@@ -192,7 +200,7 @@ class _Layout:
             for name, value in self._replicated(m):
                 upcast = id(m) in self.upcast and value.is_floating_point()
                 add_value(pieces, (prefix + name,), value.float() if upcast else value)
-            if _has_extra_state(m):
+            if has_extra_state(m):
                 add_value(pieces, (prefix + "_extra_state",), m.get_extra_state())
         return pieces
 
@@ -211,7 +219,7 @@ class _Layout:
                 saved = plan.expect(prefix + name, tuple(value.shape))
                 if saved is not None:
                     plan.copy(value, saved)
-            if _has_extra_state(m):
+            if has_extra_state(m):
                 saved = plan.expect(prefix + "_extra_state", None)
                 if saved is not None:
                     plan.call(m.set_extra_state, saved)
@@ -232,10 +240,6 @@ class _Layout:
                     slots = [whole_slot(prefix + name, param)]
                     layouts.setdefault(id(param), ParamLayout(param, tuple(param.shape), slots))
         return layouts
-
-
-def _has_extra_state(module: nn.Module) -> bool:
-    return type(module).get_extra_state is not nn.Module.get_extra_state
 
 
 class _FairscaleState(ShardedState):

@@ -4,8 +4,8 @@ saves, retention, and the estimate of a checkpoint's size for the disk-space che
 
 from __future__ import annotations
 
+import errno
 import logging
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,13 +16,14 @@ from torch.distributed.tensor import DTensor
 
 from ignite_zero import tree
 from ignite_zero.agreement import rank_and_world
+from ignite_zero.naming import check_filename
 from ignite_zero.storage.base import Saver
 from ignite_zero.storage.places import Place, RemotePlace, place_of
 
 __all__ = [
     "TEMPORARY",
     "DirectorySaver",
-    "check_filename",
+    "check_room",
     "package_version",
     "serialized_size",
 ]
@@ -31,21 +32,6 @@ logger = logging.getLogger(__name__)
 
 # Temporary files and directories are hidden and never end in ".pt" or ".dcp": nothing takes them for checkpoints.
 TEMPORARY = re.compile(r"^\..+\.ignite_zero-[0-9a-z]+\.tmp$")
-
-
-def check_filename(filename: str) -> str:
-    """Reject a checkpoint file name that would be written outside its directory.
-
-    Raises:
-        ValueError: for an empty name, an absolute path, a path separator, ``.`` or ``..``.
-    """
-    separators = {os.sep, "/"} | ({os.altsep} if os.altsep else set())
-    if not filename or filename in (".", "..") or any(s in filename for s in separators) or "\0" in filename:
-        raise ValueError(
-            f"Checkpoint file name {filename!r} is not a plain file name: it would be written outside the target "
-            "directory. Remove path separators and '..' from `filename_prefix`, `score_name` and `filename_pattern`."
-        )
-    return filename
 
 
 class DirectorySaver(Saver):
@@ -163,6 +149,22 @@ class DirectorySaver(Saver):
             logger.warning("Checkpoint %s was already removed", self.place.location(filename))
             return
         self.place.remove(filename)
+
+
+def check_room(place: Place, filename: str, needed: int, free: int | None, needs: str = "it needs about") -> None:
+    """Fail before writing, clearly, when a new checkpoint of ``needed`` bytes cannot fit in the ``free`` bytes beside
+    the ones it will replace (``None``: an object store, no limit to check).
+
+    Raises:
+        OSError: ``ENOSPC``, naming the checkpoint, both sizes and the ways out.
+    """
+    if free is not None and needed > free:
+        raise OSError(
+            errno.ENOSPC,
+            f"Not enough disk space for checkpoint {place.location(filename)}: {needs} {needed / 1e6:.1f} MB, "
+            f"{free / 1e6:.1f} MB are free (older checkpoints are removed only after the new one is written). Free "
+            "some space, write elsewhere, or lower `n_saved`.",
+        )
 
 
 def serialized_size(obj: Any) -> int:

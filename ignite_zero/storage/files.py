@@ -8,7 +8,6 @@ removed only once the new one is durable.
 
 from __future__ import annotations
 
-import errno
 import inspect
 import logging
 import time
@@ -20,9 +19,15 @@ import torch
 
 from ignite_zero import _compat, integrity
 from ignite_zero.agreement import rank_and_world
+from ignite_zero.naming import check_filename
 from ignite_zero.storage.base import SaveRequest
 from ignite_zero.storage.consolidated import ConsolidatingSaver
-from ignite_zero.storage.directory import DirectorySaver, check_filename, package_version, serialized_size
+from ignite_zero.storage.directory import (
+    DirectorySaver,
+    check_room,
+    package_version,
+    serialized_size,
+)
 from ignite_zero.storage.places import Place
 
 __all__ = ["DiskSaver"]
@@ -145,13 +150,4 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
     def _check_room(self, checkpoint: Mapping, filename: str) -> None:
         """Fail before writing, clearly, when the new file cannot fit beside the ones it will replace."""
         free = self.place.free_space()
-        if free is None:  # an object store: no limit to check
-            return
-        needed = serialized_size(checkpoint)
-        if needed > free:
-            raise OSError(
-                errno.ENOSPC,
-                f"Not enough disk space for checkpoint {self.place.location(filename)}: it needs about "
-                f"{needed / 1e6:.1f} MB, {free / 1e6:.1f} MB are free (older checkpoints are removed only after the "
-                "new one is written). Free some space, write elsewhere, or lower `n_saved`.",
-            )
+        check_room(self.place, filename, serialized_size(checkpoint) if free is not None else 0, free)

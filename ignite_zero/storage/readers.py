@@ -29,7 +29,16 @@ from ignite_zero.adapters.zero import as_saved_optimizer_state
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.storage.places import READ_BLOCK, SMALL_READ_BLOCK, Place, StoredFile, split
 
-__all__ = ["DirectoryReader", "FileReader", "Filled", "Reader", "entries_of", "reader_for"]
+__all__ = [
+    "DirectoryReader",
+    "FileReader",
+    "Filled",
+    "Reader",
+    "entries_of",
+    "is_candidate",
+    "reader_at",
+    "reader_for",
+]
 
 
 @dataclass(frozen=True)
@@ -46,10 +55,10 @@ class Reader(ABC):
         path: where the checkpoint lies, as users name it: a path, or a URL.
     """
 
-    #: whether every rank must read the checkpoint itself, or one that sees it may send the others their part
-    read_by_every_rank = False
-
     path: Path | str
+
+    #: the extension of the checkpoints of this format, as its saver names them
+    ext: str
 
     @abstractmethod
     def identity(self) -> Any | None:
@@ -58,6 +67,10 @@ class Reader(ABC):
     @abstractmethod
     def verify(self) -> None:
         """Check the whole checkpoint against its integrity record; raise :class:`~ignite_zero.IntegrityError`."""
+
+    @abstractmethod
+    def modified(self) -> float:
+        """When the checkpoint was completed, in seconds since the epoch."""
 
     @abstractmethod
     def entries(self, objects: Mapping, weights_only: bool) -> Any:
@@ -82,6 +95,8 @@ class FileReader(Reader):
         name: its name there.
     """
 
+    ext = "pt"
+
     def __init__(self, place: Place, name: str) -> None:
         self.place = place
         self.name = name
@@ -95,6 +110,9 @@ class FileReader(Reader):
             return None
         trailer = integrity.read_trailer(self.stored)  # cheap: the end of the file only; fails on a truncated file
         return self.place.size(self.name), None if trailer is None else trailer["directory_crc32"]
+
+    def modified(self) -> float:
+        return self.place.modified(self.name)
 
     def verify(self) -> None:
         self._existing()
@@ -278,20 +296,20 @@ class DirectoryReader(Reader):
         place: the directory.
     """
 
-    read_by_every_rank = True
+    ext = "dcp"
 
     def __init__(self, place: Place) -> None:
         self.place = place
         self.path = place.location()
 
+    def modified(self) -> float:
+        # a prefix of an object store has no time of its own: its manifest, written last, has
+        return self.place.modified(sharded.MANIFEST) if self.place.remote else self.place.modified("")
+
     def identity(self) -> tuple[Any, ...] | None:
         if not self.place.exists():
             return None
-        if not sharded.is_committed(self.place):
-            missing = sharded.MANIFEST if self.place.remote else ".metadata"
-            raise integrity.IntegrityError(
-                f"{self.path} is not a complete checkpoint: it has no {missing} (interrupted save?)"
-            )
+        sharded.check_committed(self.place)
         manifest = self.place.read(sharded.MANIFEST) if self.place.is_file(sharded.MANIFEST) else None
         return ("sharded", None if manifest is None else zlib.crc32(manifest))
 
@@ -341,7 +359,18 @@ def reader_for(where: str | Path, storage_options: Mapping[str, Any] | None = No
     """The reader of the checkpoint at ``where`` (a path or a URL): a directory is a sharded checkpoint, anything
     else a file."""
     parent, name = split(where, storage_options)
-    return DirectoryReader(parent.child(name)) if parent.is_dir(name) else FileReader(parent, name)
+    return reader_at(parent, name, parent.is_dir(name))
+
+
+def reader_at(place: Place, name: str, is_directory: bool) -> FileReader | DirectoryReader:
+    """The reader of the checkpoint ``name`` in ``place``: a directory is a sharded checkpoint, anything else a
+    file."""
+    return DirectoryReader(place.child(name)) if is_directory else FileReader(place, name)
+
+
+def is_candidate(name: str, is_directory: bool) -> bool:
+    """Whether the entry ``name`` of a directory is named as a checkpoint of its kind (a file or a directory)."""
+    return name.endswith(f".{(DirectoryReader if is_directory else FileReader).ext}")
 
 
 def entries_of(objects: Mapping, loaded: Any) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import itertools
 import logging
 import os
 import secrets
@@ -25,11 +26,17 @@ from ignite_zero import sharded, tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
 from ignite_zero.groups import cpu_group
+from ignite_zero.naming import check_filename
 from ignite_zero.storage.base import SaveRequest
-from ignite_zero.storage.directory import DirectorySaver, check_filename, package_version, serialized_size
+from ignite_zero.storage.directory import (
+    DirectorySaver,
+    check_room,
+    package_version,
+    serialized_size,
+)
 from ignite_zero.storage.places import LocalPlace, Place, fsync_path
 
-__all__ = ["ShardedSaver"]
+__all__ = ["ShardedSaver", "share"]
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +184,7 @@ class ShardedSaver(DirectorySaver):
         def part(_: tree.Path, obj: Any) -> Any:
             if isinstance(obj, ShardedState):
                 return obj.sharded_state_dict()
-            return sharded.share(obj.state_dict(), rank, world_size, request.recipient if request.collective else 0)
+            return share(obj.state_dict(), rank, world_size, request.recipient if request.collective else 0)
 
         try:
             state = tree.map_tree(part, objects)
@@ -290,13 +297,7 @@ class ShardedSaver(DirectorySaver):
             self._check_seen_by_every_rank(target, probe, filename, timeout, stream, ranks)
         needed = sum(size for size, _, _ in reports)
         free = next((space for _, space, _ in reports if space is not None), None)
-        if free is not None and needed > free:
-            raise OSError(
-                errno.ENOSPC,
-                f"Not enough disk space for checkpoint {self.place.location(filename)}: its parts need up to "
-                f"{needed / 1e6:.1f} MB, {free / 1e6:.1f} MB are free (older checkpoints are removed only after the "
-                "new one is written). Free some space, write elsewhere, or lower `n_saved`.",
-            )
+        check_room(self.place, filename, needed, free, needs="its parts need up to")
         if not cache:
             writer = sharded.writer_for(target, self.thread_count)
         else:  # one writer for every asynchronous save: its host copies are reused
@@ -405,6 +406,31 @@ class ShardedSaver(DirectorySaver):
             len(listed),
             time.perf_counter() - started,
         )
+
+
+def share(state: Any, rank: int, world_size: int, keeper: int) -> Any:
+    """This rank's share of a state that every rank holds alike (a DDP model, a trainer): its tensors are dealt
+    round-robin over the ranks, everything else is kept by ``keeper``.
+
+    Every rank then writes, and an asynchronous save stages, about ``1/world_size`` of such objects instead of all
+    of them. Lists holding tensors stay whole with ``keeper`` (their positions are part of the names).
+
+    Returns:
+        The share, :data:`ignite_zero.tree.OMIT` in place of what this rank does not keep.
+    """
+    dealt = itertools.count()
+
+    def deal(_: tree.Path, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value if next(dealt) % world_size == rank else tree.OMIT
+        return value if rank == keeper else tree.OMIT
+
+    def whole(value: Any) -> bool:  # only mappings that hold tensors are dealt item by item
+        return not (
+            isinstance(value, Mapping) and any(isinstance(leaf, torch.Tensor) for _, leaf in tree.leaves(value))
+        )
+
+    return tree.map_tree(deal, state, is_leaf=whole)
 
 
 def _members(ranks: Sequence[int] | None) -> list[int]:
