@@ -141,6 +141,7 @@ def agree(
         except CollectiveTimeoutError as error:
             arrived = [r for r in members if store.check([f"{key}/p{r}"])]
             error.posted = {r: pickle.loads(store.get(f"{key}/p{r}"))[1] for r in arrived}
+            _give_up_together(store, key, rank, arrived, timeout)
             raise
         posted = [pickle.loads(raw) for raw in store.multi_get([f"{key}/p{r}" for r in members])]
         _forget(store, f"{_PREFIX}{stream}/{number - 1}", rank, members)
@@ -309,6 +310,22 @@ def _leave_together(store: dist.Store, key: str, rank: int, members: list[int], 
     while store.add(f"{key}/done", 0) < len(members) and time.monotonic() < deadline:
         time.sleep(pause)
         pause = min(pause * 2, _longest_pause(len(members)))
+
+
+def _give_up_together(store: dist.Store, key: str, rank: int, arrived: list[int], timeout: float) -> None:
+    """On the first rank that arrived, return only once every rank that arrived has learnt that the round failed (or
+    after ``timeout``); other ranks return at once.
+
+    That rank may host the store (see :func:`_leave_together`) and end its process right after the error: the other
+    ranks would then lose the store before they read the outcome, and raise a lost store instead of the same error.
+    """
+    if store.add(f"{key}/gave_up", 1) >= len(arrived) or rank != arrived[0]:
+        return
+    deadline = time.monotonic() + timeout
+    pause = 0.0005
+    while store.add(f"{key}/gave_up", 0) < len(arrived) and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, _longest_pause(len(arrived)))
 
 
 def _longest_pause(world_size: int) -> float:
