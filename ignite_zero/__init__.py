@@ -13,10 +13,10 @@ from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, CollectiveTimeoutError, 
 from ignite_zero.checkpoint import Checkpoint, ModelCheckpoint
 from ignite_zero.exporting import export
 from ignite_zero.handlers import ConsolidateZeROHandler, SaveOnSignal
-from ignite_zero.integrity import IntegrityError, verify_file
 from ignite_zero.latest import find_latest
 from ignite_zero.rng import RandomState
 from ignite_zero.storage import DiskSaver, ShardedSaver
+from ignite_zero.storage.formats.file import IntegrityError, verify_file
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",

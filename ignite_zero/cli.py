@@ -18,19 +18,15 @@ import sys
 import textwrap
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-from ignite_zero import integrity, sharded, tree
-from ignite_zero.adapters.zero import as_saved_optimizer_state
 from ignite_zero.exporting import DTYPES, export
 from ignite_zero.storage.files import DiskSaver
+from ignite_zero.storage.formats import IntegrityError, Reader, reader_for
+from ignite_zero.storage.formats.base import human_size
 from ignite_zero.storage.places import is_url, split
-from ignite_zero.storage.readers import DirectoryReader, FileReader, reader_for
 
 __all__ = ["main"]
 
@@ -62,15 +58,8 @@ def _wrap(text: str) -> str:
 
 
 # A conversion reads this much at a time, and reports its progress after each.
-_BATCH_BYTES = 256 * 2**20
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
+# conversions smaller than this end before a progress bar would tell anything
+_PROGRESS_FROM_BYTES = 512 * 2**20
 
 
 def _origin(facts: Mapping[str, Any] | None, what: str) -> str:
@@ -82,103 +71,21 @@ def _origin(facts: Mapping[str, Any] | None, what: str) -> str:
     )
 
 
-def _leaves(value: Any) -> list[tuple[str, Any]]:
-    """Every leaf worth a line, with its dotted path: lists and tuples of plain values are shown whole."""
-
-    def whole(node: Any) -> bool:
-        return isinstance(node, (list, tuple)) and not any(isinstance(item, (Mapping, torch.Tensor)) for item in node)
-
-    return [(".".join(map(str, path)), leaf) for path, leaf in tree.leaves(value, is_leaf=whole)]
-
-
-def _tensor_entry(key: str, dtype: torch.dtype, shape: Sequence[int]) -> dict[str, Any]:
-    numel = 1
-    for extent in shape:
-        numel *= extent
-    name = str(dtype).removeprefix("torch.")
-    return {"key": key, "kind": "tensor", "dtype": name, "shape": list(shape), "bytes": numel * dtype.itemsize}
-
-
-def _value_entry(key: str, value: Any) -> dict[str, Any]:
-    entry = {"key": key, "kind": "value", "repr": repr(value)}
-    try:  # the value itself where JSON holds it exactly: numbers, strings, lists of them
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        return entry
-    return {**entry, "value": value}
-
-
-def _object(name: str, type_name: str | None, entries: list[dict[str, Any]]) -> dict[str, Any]:
-    tensors = [entry for entry in entries if entry["kind"] == "tensor"]
-    nbytes = sum(entry["bytes"] for entry in tensors)
-    return {"name": name, "type": type_name, "tensors": len(tensors), "bytes": nbytes, "entries": entries}
-
-
-def _written_by(facts: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    return {key: facts.get(key) for key in ("ignite_zero", "torch", "world_size")} if facts else None
-
-
-def _list_file(reader: FileReader) -> dict[str, Any]:
-    trailer = integrity.read_trailer(reader.stored)
-    state = reader.structure(weights_only=True)
-    objects = []
-    for name, value in state.items() if isinstance(state, Mapping) else [("(state)", state)]:
-        entries = [
-            _tensor_entry(key, leaf.dtype, tuple(leaf.shape))
-            if isinstance(leaf, torch.Tensor)
-            else _value_entry(key, leaf)
-            for key, leaf in _leaves(value)
-        ]
-        objects.append(_object(str(name), type(value).__name__, entries))
-    return {
-        "schema": 1,
-        "path": str(reader.path),
-        "format": "file",
-        "files": 1,
-        "bytes": reader.stored.size,
-        "written_by": _written_by(trailer),
-        "objects": objects,
-    }
-
-
-def _list_directory(reader: DirectoryReader) -> dict[str, Any]:
-    place = reader.place
-    manifest = sharded.read_manifest(place)
-    metadata = sharded.read_metadata(place)
-    files = [name for name, is_directory in place.entries().items() if not is_directory]
-    by_object: dict[str, list[dict[str, Any]]] = {}
-    for name, storage in metadata.state_dict_metadata.items():
-        entry_path = sharded.path_of(metadata, name)
-        key = ".".join(map(str, entry_path[1:]))
-        if isinstance(storage, TensorStorageMetadata):
-            entry = {**_tensor_entry(key, storage.properties.dtype, tuple(storage.size)), "shards": len(storage.chunks)}
-        else:
-            entry = {"key": key, "kind": "value"}  # not read: a listing reads the metadata only
-        by_object.setdefault(str(entry_path[0]), []).append(entry)
-    return {
-        "schema": 1,
-        "path": str(reader.path),
-        "format": "sharded",
-        "files": len(files),
-        "bytes": sum(place.size(name) for name in files),
-        "written_by": _written_by(manifest),
-        "objects": [_object(name, None, entries) for name, entries in by_object.items()],
-    }
-
-
 def _print_listing(listing: Mapping[str, Any], out: TextIO) -> None:
     if listing["format"] == "file":
         origin = _origin(listing["written_by"], "integrity trailer")
-        print(f"{listing['path']}: {_size(listing['bytes'])}, {origin}", file=out)
+        print(f"{listing['path']}: {human_size(listing['bytes'])}, {origin}", file=out)
     else:
         origin = _origin(listing["written_by"], "manifest")
-        print(f"{listing['path']}: sharded, {listing['files']} files, {_size(listing['bytes'])}, {origin}", file=out)
+        size = human_size(listing["bytes"])
+        print(f"{listing['path']}: sharded, {listing['files']} files, {size}, {origin}", file=out)
     for obj in listing["objects"]:
         kind = f"{obj['type']}, " if obj["type"] else ""
-        print(f"{obj['name']}: {kind}{obj['tensors']} tensors, {_size(obj['bytes'])}", file=out)
+        print(f"{obj['name']}: {kind}{obj['tensors']} tensors, {human_size(obj['bytes'])}", file=out)
         for entry in obj["entries"]:
             if entry["kind"] == "tensor":
-                detail = f"{entry['dtype']} {'x'.join(map(str, entry['shape'])) or 'scalar'} {_size(entry['bytes'])}"
+                shape = "x".join(map(str, entry["shape"])) or "scalar"
+                detail = f"{entry['dtype']} {shape} {human_size(entry['bytes'])}"
                 if "shards" in entry:
                     detail += f", {entry['shards']} shard(s)"
             else:
@@ -187,8 +94,8 @@ def _print_listing(listing: Mapping[str, Any], out: TextIO) -> None:
             print(f"  {entry['key'] or '(value)'}: {detail}", file=out)
 
 
-def _inspect(reader: FileReader | DirectoryReader, as_json: bool, out: TextIO) -> int:
-    listing = _list_directory(reader) if isinstance(reader, DirectoryReader) else _list_file(reader)
+def _inspect(reader: Reader, as_json: bool, out: TextIO) -> int:
+    listing = reader.listing()
     if as_json:
         json.dump(listing, out, indent=1)
         print(file=out)
@@ -197,85 +104,36 @@ def _inspect(reader: FileReader | DirectoryReader, as_json: bool, out: TextIO) -
     return 0
 
 
-def _verify(reader: FileReader | DirectoryReader, out: TextIO) -> int:
+def _verify(reader: Reader, out: TextIO) -> int:
     path = reader.path
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a missing trailer or manifest is reported below, as the outcome
-        if isinstance(reader, DirectoryReader):
-            facts = sharded.verify(reader.place)
-        else:
-            facts = integrity.verify_file(reader.stored)  # every record, wherever the file lies
-    if facts is None:
-        what = "manifest" if isinstance(reader, DirectoryReader) else "integrity trailer"
-        why = "written by another tool"
-        if isinstance(reader, FileReader) and integrity.is_legacy_format(reader.stored):
-            why = "torch's legacy format, `_use_new_zipfile_serialization=False`, has no room for one"
-        print(f"{path}: no {what} to verify against ({why})", file=out)
+        verification = reader.verify()  # every record, wherever the checkpoint lies
+    if not verification.checked:
+        print(f"{path}: no {verification.record} to verify against ({verification.summary})", file=out)
         print(f"ignite-zero: warning: {path} loads, but without verification", file=sys.stderr)
         return 2
-    if isinstance(reader, DirectoryReader):
-        print(f"{path}: OK ({len(facts['files'])} files, sizes and CRC-32 match the manifest)", file=out)
-    else:
-        size = _size(reader.stored.size)
-        print(f"{path}: OK ({size}, CRC-32 of every record and of the directory match)", file=out)
+    print(f"{path}: OK ({verification.summary})", file=out)
     return 0
 
 
-def _consolidate(reader: FileReader | DirectoryReader, target: str, options: Mapping[str, Any], out: TextIO) -> int:
+def _consolidate(reader: Reader, target: str, options: Mapping[str, Any], out: TextIO) -> int:
     """One file from a sharded checkpoint: what ``Checkpoint.load_objects`` reads anywhere, even without ranks."""
     directory, name = split(target, options if is_url(target) else None)
     if directory.is_file(name) or directory.is_dir(name):
         print(f"ignite-zero: {target} exists; consolidate never overwrites: choose another name", file=sys.stderr)
         return 1
-    if not isinstance(reader, DirectoryReader):
+    if not reader.sharded:
         print(f"ignite-zero: {reader.path} is not a sharded checkpoint directory", file=sys.stderr)
         return 1
-    source = reader.place
     started = time.perf_counter()
-    sharded.verify(source)
-    metadata = sharded.read_metadata(source)
-    names = list(metadata.state_dict_metadata)
-    sizes = {name: _nbytes(metadata.state_dict_metadata[name]) for name in names}
-    total = sum(sizes.values())
     progress = _Progress("consolidating")
-    done = 0
-    flat: dict[str, Any] = {}
-    for batch in _batches(names, sizes):  # the whole state is held at the end; batches only show progress
-        wanted = set(batch)
-
-        def keep(path: tuple[Any, ...], wanted: set[str] = wanted) -> bool:
-            return sharded.name_of(path) in wanted
-
-        part = sharded.template(metadata, keep)
-        sharded.load(part, source)
-        flat.update(part)
-        done += sum(sizes[name] for name in batch)
-        progress.update(done, total)
-    state = {key: as_saved_optimizer_state(value) for key, value in sharded.nest(metadata, flat).items()}
+    state = reader.load(weights_only=True, progress=progress.update)
     DiskSaver(directory, require_empty=False, save_on_rank=0)(state, name)
     progress.close()
     elapsed = time.perf_counter() - started
-    print(f"{target}: {_size(directory.size(name))} from {reader.path} in {elapsed:.1f} s", file=out)
+    print(f"{target}: {human_size(directory.size(name))} from {reader.path} in {elapsed:.1f} s", file=out)
     return 0
-
-
-def _nbytes(storage: Any) -> int:
-    if isinstance(storage, TensorStorageMetadata):
-        return storage.size.numel() * storage.properties.dtype.itemsize
-    return 0
-
-
-def _batches(names: list[str], sizes: Mapping[str, int]) -> Iterator[list[str]]:
-    batch: list[str] = []
-    held = 0
-    for name in names:
-        batch.append(name)
-        held += sizes[name]
-        if held >= _BATCH_BYTES:
-            yield batch
-            batch, held = [], 0
-    if batch:
-        yield batch
 
 
 class _Progress:
@@ -288,11 +146,11 @@ class _Progress:
 
     def update(self, done: int, total: int) -> None:
         if self._shown is None:
-            self._shown = self._out.isatty() and total >= 2 * _BATCH_BYTES
+            self._shown = self._out.isatty() and total >= _PROGRESS_FROM_BYTES
         if self._shown:
             filled = int(30 * done / max(total, 1))
             bar = "#" * filled + "." * (30 - filled)
-            line = f"\r{self._what} [{bar}] {100 * done / max(total, 1):3.0f}% of {_size(total)}"
+            line = f"\r{self._what} [{bar}] {100 * done / max(total, 1):3.0f}% of {human_size(total)}"
             print(line, end="", file=self._out, flush=True)
 
     def close(self) -> None:
@@ -423,7 +281,7 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     progress.close()
     total = sum(path.stat().st_size for path in files)
     elapsed = time.perf_counter() - started
-    print(f"{args.target}: {len(files)} files, {_size(total)} from {args.source} in {elapsed:.1f} s", file=out)
+    print(f"{args.target}: {len(files)} files, {human_size(total)} from {args.source} in {elapsed:.1f} s", file=out)
     return 0
 
 
@@ -466,7 +324,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "export":
             return _export(args, sys.stdout)
         reader = reader_for(where, options or None)
-        if isinstance(reader, FileReader) and not reader.place.is_file(reader.name):
+        if not reader.exists():
             print(f"ignite-zero: {where} does not exist", file=sys.stderr)
             return 1
         if args.command == "inspect":
@@ -476,6 +334,6 @@ def _run(args: argparse.Namespace) -> int:
         return _consolidate(reader, args.target, options, sys.stdout)
     except BrokenPipeError:
         raise  # an OSError, but not the checkpoint's: main ends quietly
-    except (integrity.IntegrityError, KeyError, TypeError, ValueError, OSError) as error:
+    except (IntegrityError, KeyError, TypeError, ValueError, OSError) as error:
         print(f"ignite-zero: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
         return 1

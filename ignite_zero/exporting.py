@@ -11,23 +11,19 @@ it spares a dependency: ``safetensors`` is needed to read the output, not to wri
 
 from __future__ import annotations
 
-import ctypes
+import dataclasses
 import functools
 import json
-import mmap
 import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ignite_zero import _compat, integrity, sharded, tree
-from ignite_zero.integrity import IntegrityError
-from ignite_zero.storage.readers import DirectoryReader, FileReader, reader_for
+from ignite_zero.storage.formats import IntegrityError, Reader, reader_for
+from ignite_zero.storage.formats.base import ExportedTensor
 
 __all__ = ["DTYPES", "export"]
 
@@ -47,21 +43,6 @@ _SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
 }
 _INDEX = "model.safetensors.index.json"
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One tensor to write: its name, what it will be (dtype, shape), and how to read it."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    read: Callable[[], torch.Tensor]
-    release: Callable[[], None] = lambda: None  # once written
-
-    @property
-    def nbytes(self) -> int:
-        return self.dtype.itemsize * int(torch.Size(self.shape).numel())
 
 
 def export(
@@ -119,7 +100,7 @@ def export(
     reader = reader_for(source, storage_options)
     if reader.identity() is None:
         raise FileNotFoundError(f"Checkpoint {source} does not exist")
-    reader.verify()
+    reader.verify(whole=False)  # each tensor is checked as it is read
     entries, aliases = _entries(reader, only, dtype)
     shards = _shards(entries, max_shard_size)
     partial = target.with_name(f".{target.name}.ignite_zero-{uuid.uuid4().hex[:12]}.tmp")
@@ -152,85 +133,30 @@ def export(
     return [target / name for name in names]
 
 
-def _entries(reader: Any, only: str, dtype: torch.dtype | None) -> tuple[list[_Entry], dict[str, str]]:
-    """What to write, in order, and the names of tensors that share another's memory."""
-    if isinstance(reader, DirectoryReader):
-        return _directory_entries(reader, only, dtype), {}
-    assert isinstance(reader, FileReader)
-    remote = reader.place.remote
-    # mapped: tensors are read when their bytes are; from an object store, read one at a time when written
-    loaded = reader.structure(weights_only=True) if remote else reader.load(weights_only=True)
-    mapped = not remote and not integrity.is_legacy_format(reader.stored)
-    if not isinstance(loaded, Mapping):
-        raise ValueError(f"{reader.path} holds a {type(loaded).__name__}, not a state dict to export")
-    if only in loaded:
-        state = loaded[only]
-    elif loaded and all(isinstance(value, torch.Tensor) for value in loaded.values()):
-        state = loaded  # a single-object save: the model's state dict itself
-    else:
-        raise KeyError(
-            f"The checkpoint has no entry {only!r} (it holds {sorted(loaded)}); pass --only with one of them"
-        )
-    entries: list[_Entry] = []
-    aliases: dict[str, str] = {}
-    written: dict[tuple[Any, ...], str] = {}  # a tensor's memory, as (storage, offset, shape, stride): its name
-    for path, value in tree.leaves(state):
-        if not isinstance(value, torch.Tensor):
-            continue
-        name = ".".join(map(str, path))
-        storage = value.untyped_storage()
-        where = _compat.storage_offset_in_file(storage) if remote else storage.data_ptr()
-        view = (where, value.storage_offset(), tuple(value.shape), value.stride())
-        if value.numel() and view in written:
-            aliases[name] = written[view]
-            continue
-        written[view] = name
-        release: Callable[[], None] = functools.partial(_drop_pages, value) if mapped else (lambda: None)
-        read = functools.partial(_read_remote, reader, value, dtype) if remote else _reading(value, dtype)
-        entries.append(_Entry(name, _converted(value.dtype, dtype), tuple(value.shape), read, release))
+def _entries(reader: Reader, only: str, dtype: torch.dtype | None) -> tuple[list[ExportedTensor], dict[str, str]]:
+    """What to write, in order, converted to ``dtype``; and the names of tensors that share another's memory."""
+    tensors, aliases = reader.tensors(only)
+    entries = [
+        dataclasses.replace(t, dtype=_converted(t.dtype, dtype), read=functools.partial(_read_as, t.read, dtype))
+        for t in tensors
+    ]
     return entries, aliases
-
-
-def _directory_entries(reader: DirectoryReader, only: str, dtype: torch.dtype | None) -> list[_Entry]:
-    metadata = sharded.read_metadata(reader.place)
-    entries = []
-    for flat_name, storage in metadata.state_dict_metadata.items():
-        path = sharded.path_of(metadata, flat_name)
-        if path[:1] != (only,) or not isinstance(storage, TensorStorageMetadata):
-            continue
-        source_dtype = storage.properties.dtype
-
-        def read(flat_name: str = flat_name, storage: Any = storage, source_dtype: torch.dtype = source_dtype) -> Any:
-            template = {flat_name: torch.empty(storage.size, dtype=source_dtype)}
-            sharded.load(template, reader.place)  # this tensor alone, from every file that holds a part of it
-            return _as(template[flat_name], dtype)
-
-        name = ".".join(map(str, path[1:]))
-        entries.append(_Entry(name, _converted(source_dtype, dtype), tuple(storage.size), read))
-    if not entries:
-        raise KeyError(f"The checkpoint {reader.path} has no tensors under {only!r}; pass --only with another entry")
-    return entries
 
 
 def _converted(source: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and source.is_floating_point else source
 
 
-def _reading(value: torch.Tensor, dtype: torch.dtype | None) -> Callable[[], torch.Tensor]:
-    return lambda: _as(value, dtype)
-
-
-def _read_remote(reader: FileReader, value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """The tensor whose structure ``value`` (on the meta device) gives, read from the object store."""
-    return _as(reader.read_tensors(value), dtype)
+def _read_as(read: Callable[[], torch.Tensor], dtype: torch.dtype | None) -> torch.Tensor:
+    return _as(read(), dtype)
 
 
 def _as(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
 
 
-def _shards(entries: list[_Entry], max_shard_size: int) -> list[list[_Entry]]:
-    shards: list[list[_Entry]] = [[]]
+def _shards(entries: list[ExportedTensor], max_shard_size: int) -> list[list[ExportedTensor]]:
+    shards: list[list[ExportedTensor]] = [[]]
     size = 0
     for entry in entries:
         if shards[-1] and size + entry.nbytes > max_shard_size:
@@ -241,7 +167,9 @@ def _shards(entries: list[_Entry], max_shard_size: int) -> list[list[_Entry]]:
     return shards
 
 
-def _write_file(path: Path, entries: list[_Entry], metadata: dict[str, str], wrote: Callable[[int], None]) -> None:
+def _write_file(
+    path: Path, entries: list[ExportedTensor], metadata: dict[str, str], wrote: Callable[[int], None]
+) -> None:
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for entry in entries:
@@ -265,36 +193,10 @@ def _write_file(path: Path, entries: list[_Entry], metadata: dict[str, str], wro
         os.fsync(f.fileno())
 
 
-def _chunks(entries: list[_Entry]) -> Iterator[memoryview]:
+def _chunks(entries: list[ExportedTensor]) -> Iterator[memoryview]:
     for entry in entries:
         tensor = entry.read().detach().contiguous()
         if tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype:
             raise IntegrityError(f"{entry.name} read back as {tensor.dtype} {tuple(tensor.shape)}, not as its metadata")
         yield memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         entry.release()
-
-
-def _drop_pages(tensor: torch.Tensor) -> None:
-    """Let the kernel drop the pages of a tensor mapped from the checkpoint file once it is written; only for such
-    tensors (on anonymous memory, dropping pages would zero them).
-
-    They are clean file pages that it would reclaim under pressure anyway, but until then they count as resident:
-    exporting a 954 MiB checkpoint grew file-backed resident memory by 955 MiB without this, and not at all with
-    it. A no-op where ``madvise`` is missing.
-    """
-    page = mmap.PAGESIZE
-    start = tensor.untyped_storage().data_ptr()
-    length = tensor.untyped_storage().nbytes()
-    first = start - start % page
-    try:
-        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(length + start - first), _MADV_DONTNEED)
-    except (OSError, AttributeError):
-        pass
-
-
-_MADV_DONTNEED = 4
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)

@@ -18,10 +18,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
-from ignite_zero.integrity import IntegrityError
 from ignite_zero.naming import global_step_of
+from ignite_zero.storage.formats import IntegrityError, format_for, is_candidate
 from ignite_zero.storage.places import Place, place_of
-from ignite_zero.storage.readers import is_candidate, reader_at
 
 __all__ = ["find_latest"]
 
@@ -90,7 +89,7 @@ def _newest_valid(place: Place, prefix: str) -> tuple[Any, str] | None:
     steps = {name: global_step_of(name) for name in candidates}
     by_number = all(step is not None for step in steps.values())
 
-    readers = {name: reader_at(place, name, is_directory) for name, is_directory in candidates.items()}
+    readers = {name: format_for(place, name, is_directory) for name, is_directory in candidates.items()}
 
     def key(name: str) -> tuple[Any, ...]:
         try:
@@ -106,7 +105,7 @@ def _newest_valid(place: Place, prefix: str) -> tuple[Any, str] | None:
             reader = readers[name]
             if reader.identity() is None:
                 raise IntegrityError(f"{location} is no longer there")
-            reader.verify()
+            reader.verify(whole=False)
         except (IntegrityError, OSError, ValueError) as error:
             logger.warning("Skipping checkpoint %s: %s", location, error)
             continue

@@ -1,6 +1,6 @@
 """Loading: a checkpoint read where it can be, each rank given what it needs, every object restored or none.
 
-A checkpoint is read through the reader of its format (:mod:`ignite_zero.storage.readers`): a file (a
+A checkpoint is read through the reader of its format (:mod:`ignite_zero.storage.formats`): a file (a
 consolidated save) or a directory (a sharded save, :class:`~ignite_zero.ShardedSaver`). This module is the policy
 of loading: who reads, who verifies, who is sent what, and that every object is restored or none.
 
@@ -34,9 +34,14 @@ from ignite_zero import deferred, transport, tree
 from ignite_zero.adapters import ShardedState, adapt, in_loadable_form
 from ignite_zero.agreement import rank_and_world, settle
 from ignite_zero.groups import cpu_group
-from ignite_zero.storage.readers import Filled, Reader, entries_of, reader_for
+from ignite_zero.storage.formats import Filled, Reader, entries_of, reader_for
 
 __all__ = ["restore"]
+
+
+# What each rank tells the others in the first round of a load: its host, what it sees of the checkpoint (``None``:
+# nothing), the part of each sharded entry it needs, and whether what it sees is a sharded checkpoint.
+_Report = tuple[str, Any, Any, bool]
 
 
 def restore(
@@ -86,10 +91,11 @@ def _restore(
         identity = "in memory" if reader is None else reader.identity()
     except Exception as error:
         failure = error
+    sharded = reader is not None and reader.sharded  # what a rank that sees the checkpoint tells the others
     reports = settle(
-        failure, what="checkpoint load", timeout=sync_timeout, payload=(socket.gethostname(), identity, parts)
+        failure, what="checkpoint load", timeout=sync_timeout, payload=(socket.gethostname(), identity, parts, sharded)
     )
-    seers = [r for r, (_, seen, _) in enumerate(reports) if seen is not None]
+    seers = [r for r, (_, seen, _, _) in enumerate(reports) if seen is not None]
     _check_seers(checkpoint, reader, reports, seers)
 
     entries: Any = None
@@ -99,9 +105,9 @@ def _restore(
             entries = entries_of(objects, checkpoint)
         elif identity is not None:
             if _verifies(rank, reports, seers):
-                reader.verify()
+                reader.verify(whole=False)
             entries = reader.entries(objects, weights_only)
-        entries = _for_plain_optimizers(objects, _distribute(entries, [need for _, _, need in reports], seers))
+        entries = _for_plain_optimizers(objects, _distribute(entries, [need for _, _, need, _ in reports], seers))
         _pair(objects, entries, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
     except Exception as error:
         failure = error
@@ -121,14 +127,14 @@ def _collective(objects: Any) -> bool:
 
 
 def _verified(reader: Reader) -> Reader:
-    reader.verify()
+    reader.verify(whole=False)
     return reader
 
 
-def _check_seers(checkpoint: Any, reader: Reader | None, reports: list[tuple[str, Any, Any]], seers: list[int]) -> None:
+def _check_seers(checkpoint: Any, reader: Reader | None, reports: list[_Report], seers: list[int]) -> None:
     if not seers:
         raise FileNotFoundError(f"Checkpoint file {checkpoint} exists on no rank; pass the path of an existing file")
-    if len(seers) < len(reports) and reports[seers[0]][1][0] == "sharded":
+    if len(seers) < len(reports) and reports[seers[0]][3]:
         blind = [r for r in range(len(reports)) if r not in seers]
         raise FileNotFoundError(
             f"Ranks {blind} cannot see the sharded checkpoint {checkpoint}: a sharded checkpoint is read by every "
@@ -143,7 +149,7 @@ def _check_seers(checkpoint: Any, reader: Reader | None, reports: list[tuple[str
         )
 
 
-def _verifies(rank: int, reports: list[tuple[str, Any, Any]], seers: list[int]) -> bool:
+def _verifies(rank: int, reports: list[_Report], seers: list[int]) -> bool:
     """One rank per host checks the whole file: the others read the same pages."""
     host = reports[rank][0]
     return rank == next(r for r in seers if reports[r][0] == host)

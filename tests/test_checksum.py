@@ -12,7 +12,9 @@ import zlib
 import pytest
 import torch
 
-from ignite_zero import _compat, integrity, sharded
+from ignite_zero import _compat
+from ignite_zero.storage.formats import directory as sharded
+from ignite_zero.storage.formats import file as integrity
 from ignite_zero.storage.places import LocalPlace
 
 # both sides of the 5 KiB above which the GIL is released, and chunks DCP writes

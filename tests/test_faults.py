@@ -28,9 +28,9 @@ from ignite_zero import (
     IntegrityError,
     RankFailureError,
     ShardedSaver,
-    sharded,
     verify_file,
 )
+from ignite_zero.storage.formats import directory as sharded
 
 SYNC_TIMEOUT = 2.0
 

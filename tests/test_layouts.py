@@ -33,7 +33,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, sharded
+from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
+from ignite_zero.storage.formats import directory as sharded
 
 pytestmark = pytest.mark.distributed
 

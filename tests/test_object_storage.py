@@ -32,9 +32,9 @@ from ignite_zero import (
     _compat,
     cli,
     find_latest,
-    sharded,
 )
 from ignite_zero.integrity import SealingStream
+from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.places import RemotePlace, StorageError
 
 pytestmark = pytest.mark.distributed

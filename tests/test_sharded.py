@@ -10,7 +10,8 @@ from launcher import run_ranks
 from torch.nn.parallel import DistributedDataParallel
 from training import assert_state_equal, mixed_objects, small_net, tiny_model, train_step, zero_adam
 
-from ignite_zero import Checkpoint, IntegrityError, ShardedSaver, sharded, tree
+from ignite_zero import Checkpoint, IntegrityError, ShardedSaver, tree
+from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.sharded import share
 
 pytestmark = pytest.mark.distributed

@@ -1,5 +1,5 @@
 """Storage: the saver protocol (:class:`Saver`) between the policy and where checkpoints live, its savers, and the
-readers of each checkpoint format (:mod:`ignite_zero.storage.readers`).
+checkpoint formats (:mod:`ignite_zero.storage.formats`).
 
 =================  ===================================================================================
 ``base``           the protocol: :class:`Saver`, :class:`SaveRequest`
@@ -8,7 +8,8 @@ readers of each checkpoint format (:mod:`ignite_zero.storage.readers`).
 ``files``          :class:`DiskSaver`: one durable file per checkpoint
 ``sharded``        :class:`ShardedSaver`: a DCP directory that every rank writes its part of
 ``handler``        :class:`HandlerSaver`: any other ignite handler, called as ignite calls it
-``readers``        one reader per checkpoint format, for loading
+``formats``        the checkpoint formats, one module each: how each is written, verified, listed and read
+``places``         where checkpoints live: a local directory or an object store's prefix
 =================  ===================================================================================
 """
 

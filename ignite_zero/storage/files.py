@@ -17,7 +17,7 @@ from typing import IO, Any, cast
 
 import torch
 
-from ignite_zero import _compat, integrity
+from ignite_zero import _compat
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.naming import check_filename
 from ignite_zero.storage.base import SaveRequest
@@ -28,6 +28,7 @@ from ignite_zero.storage.directory import (
     package_version,
     serialized_size,
 )
+from ignite_zero.storage.formats.file import SealingStream
 from ignite_zero.storage.places import Place
 
 __all__ = ["DiskSaver"]
@@ -57,7 +58,7 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
     Differences from ignite's ``DiskSaver``, deliberate: the file and its directory are flushed to disk
     before the rename; new files get mode ``0o666 & ~umask`` (ignite adds group and world read); file names
     that would escape ``dirname`` are rejected; every file carries an integrity trailer
-    (:mod:`ignite_zero.integrity`); removing a file that is already gone logs a warning instead of raising.
+    (:mod:`ignite_zero.storage.formats.file`); removing a file that is already gone logs a warning instead of raising.
 
     Examples:
         .. code-block:: python
@@ -123,7 +124,7 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         )
 
     def _dump(self, checkpoint: Mapping, f: IO[bytes], func: Callable[..., Any]) -> None:
-        stream = integrity.SealingStream(f)
+        stream = SealingStream(f)
         with _compat.serialization_crc32():
             try:
                 func(checkpoint, cast(IO[bytes], stream), **self.kwargs)

@@ -1,6 +1,6 @@
 """Sharded checkpoints: :class:`ShardedSaver`, every rank writing its own part of a checkpoint directory through
-``torch.distributed.checkpoint``, checksummed while written (:mod:`ignite_zero.sharded`), then sealed by one rank:
-renamed into place on a local file system, committed by its manifest on an object store."""
+``torch.distributed.checkpoint``, checksummed while written (:mod:`ignite_zero.storage.formats.directory`), then
+sealed by one rank: renamed into place on a local file system, committed by its manifest on an object store."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ignite_zero import sharded, tree
+from ignite_zero import tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
 from ignite_zero.groups import cpu_group
@@ -34,6 +34,7 @@ from ignite_zero.storage.directory import (
     package_version,
     serialized_size,
 )
+from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.places import LocalPlace, Place, fsync_path
 
 __all__ = ["ShardedSaver", "share"]

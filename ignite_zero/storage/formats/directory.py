@@ -16,6 +16,7 @@ import io
 import json
 import os
 import warnings
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -24,18 +25,29 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-from zlib_ng import zlib_ng
 
-from ignite_zero import _compat
-from ignite_zero.integrity import IntegrityError
+from ignite_zero import _compat, tree
+from ignite_zero.adapters import ShardedState
+from ignite_zero.adapters.zero import as_saved_optimizer_state
+from ignite_zero.storage.formats.base import (
+    ExportedTensor,
+    Filled,
+    IntegrityError,
+    Reader,
+    Verification,
+    crc32,
+    listed_object,
+    tensor_entry,
+    written_by,
+)
 from ignite_zero.storage.places import Place, RemotePlace, place_of
 
 __all__ = [
     "MANIFEST",
     "ChecksummingWriter",
+    "DirectoryReader",
     "UNCOMMITTED",
     "check_committed",
-    "crc32",
     "is_committed",
     "is_sharded_checkpoint",
     "writer_for",
@@ -63,18 +75,6 @@ _READ_CHUNK = 1 << 20
 # the CRC-32 of 320 MB of tensors written to tmpfs added 1-11 ms to 105-150 ms of writing in 256 KiB slices,
 # 22-40 ms over DCP's whole writes (8 MB each) on the 2-core CI machine, where reading memory bounds it (~10 GB/s).
 _WRITE_SLICE = 256 << 10
-
-
-def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
-    """zlib's CRC-32 of ``data``, continuing from ``value`` (the CRC-32 of what came before): the very same values.
-
-    zlib-ng's SIMD CRC-32 rather than the standard library's: 9-33 GB/s against 2-7 GB/s for zlib over 600 MB, and
-    59 against 3 GB/s over 256 KiB in cache (2-core CI machine). At zlib's speed, checksumming each rank's 300 MB
-    took 0.05-0.2 s per save (FSDP2, 0.6 GB, 2 ranks), most of the 0.08 s a sharded save took beyond ``dcp.save``'s
-    0.28 s. ISA-L (``isal``) is as fast within a save; zlib-ng also builds from source wherever a C compiler does.
-    Like zlib, it releases the GIL for buffers over 5 KiB (DCP writes from threads) and takes buffers over 4 GiB.
-    """
-    return zlib_ng.crc32(data, value)
 
 
 class _ChecksummingStream(io.RawIOBase):
@@ -384,3 +384,174 @@ def in_one_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (load|save) in a single process")
         yield
+
+
+class DirectoryReader(Reader):
+    """A sharded checkpoint directory: its identity is the checksum of its manifest.
+
+    Every rank reads only what it needs: FSDP ranks their own shards into templates of them, ZeRO ranks the state of
+    the parameters they own, and every rank the objects it holds whole.
+
+    Args:
+        place: the directory.
+    """
+
+    ext = "dcp"
+    is_directory = True
+    sharded = True
+
+    def __init__(self, place: Place) -> None:
+        self.place = place
+        self.path = place.location()
+
+    def modified(self) -> float:
+        # a prefix of an object store has no time of its own: its manifest, written last, has
+        return self.place.modified(MANIFEST) if self.place.remote else self.place.modified("")
+
+    def identity(self) -> tuple[Any, ...] | None:
+        if not self.place.exists():
+            return None
+        check_committed(self.place)
+        manifest = self.place.read(MANIFEST) if self.place.is_file(MANIFEST) else None
+        return ("sharded", None if manifest is None else zlib.crc32(manifest))
+
+    @classmethod
+    def at(cls, place: Place, name: str) -> DirectoryReader:
+        return cls(place.child(name))
+
+    def exists(self) -> bool:
+        return self.place.exists()
+
+    def verify(self, whole: bool = True) -> Verification:
+        manifest = verify(self.place)  # every file, whole either way: DCP's reads are not checked as they arrive
+        if manifest is None:
+            return Verification(False, "manifest", "written by another tool")
+        summary = f"{len(manifest['files'])} files, sizes and CRC-32 match the manifest"
+        return Verification(True, "manifest", summary, manifest)
+
+    def load(self, weights_only: bool, progress: Callable[[int, int], None] | None = None) -> Any:
+        """Every entry of the directory, read whole, as one file of it holds them (optimizer state keyed by index
+        again). DCP reads the values that are no tensors as it saved them, ``weights_only`` or not."""
+        verify(self.place)
+        metadata = read_metadata(self.place)
+        names = list(metadata.state_dict_metadata)
+        sizes = {name: _nbytes(metadata.state_dict_metadata[name]) for name in names}
+        total, done = sum(sizes.values()), 0
+        flat: dict[str, Any] = {}
+        for batch in _batches(names, sizes):  # the whole state is held at the end; batches only show progress
+            wanted = set(batch)
+
+            def keep(path: tuple[Any, ...], wanted: set[str] = wanted) -> bool:
+                return name_of(path) in wanted
+
+            part = template(metadata, keep)
+            load(part, self.place)
+            flat.update(part)
+            done += sum(sizes[name] for name in batch)
+            if progress is not None:
+                progress(done, total)
+        return {key: as_saved_optimizer_state(value) for key, value in nest(metadata, flat).items()}
+
+    def listing(self) -> dict[str, Any]:
+        manifest = read_manifest(self.place)
+        metadata = read_metadata(self.place)
+        files = [name for name, is_directory in self.place.entries().items() if not is_directory]
+        by_object: dict[str, list[dict[str, Any]]] = {}
+        for name, storage in metadata.state_dict_metadata.items():
+            entry_path = path_of(metadata, name)
+            key = ".".join(map(str, entry_path[1:]))
+            if isinstance(storage, TensorStorageMetadata):
+                shards = len(storage.chunks)
+                entry = {**tensor_entry(key, storage.properties.dtype, tuple(storage.size)), "shards": shards}
+            else:
+                entry = {"key": key, "kind": "value"}  # not read: a listing reads the metadata only
+            by_object.setdefault(str(entry_path[0]), []).append(entry)
+        return {
+            "schema": 1,
+            "path": str(self.path),
+            "format": "sharded",
+            "files": len(files),
+            "bytes": sum(self.place.size(name) for name in files),
+            "written_by": written_by(manifest),
+            "objects": [listed_object(name, None, entries) for name, entries in by_object.items()],
+        }
+
+    def tensors(self, only: str) -> tuple[list[ExportedTensor], dict[str, str]]:
+        metadata = read_metadata(self.place)
+        found = []
+        for flat_name, storage in metadata.state_dict_metadata.items():
+            path = path_of(metadata, flat_name)
+            if path[:1] != (only,) or not isinstance(storage, TensorStorageMetadata):
+                continue
+            dtype = storage.properties.dtype
+
+            def read(flat_name: str = flat_name, storage: Any = storage, dtype: torch.dtype = dtype) -> Any:
+                wanted = {flat_name: torch.empty(storage.size, dtype=dtype)}
+                load(wanted, self.place)  # this tensor alone, from every file that holds a part of it
+                return wanted[flat_name]
+
+            found.append(ExportedTensor(".".join(map(str, path[1:])), dtype, tuple(storage.size), read))
+        if not found:
+            raise KeyError(f"The checkpoint {self.path} has no tensors under {only!r}; pass --only with another entry")
+        return found, {}
+
+    def entries(self, objects: Mapping, weights_only: bool) -> Any:
+        """Read what each object needs: its own shards where it gives a template, else the saved entries it wants,
+        whole (optimizer state keyed by index again)."""
+        metadata = read_metadata(self.place)
+        saved = {path_of(metadata, name) for name in metadata.state_dict_metadata}
+        templates: dict[tuple[Any, ...], Any] = {}
+        flat: dict[str, Any] = {}
+        for path, obj in tree.leaves(objects):
+            relative = {p[len(path) :] for p in saved if p[: len(path)] == path}
+            if not relative:
+                raise ValueError(  # ignite's words first, as for a file
+                    f"Key '{'.'.join(map(str, path))}' from x is not found in y: the checkpoint has no such entry (it "
+                    f"holds {sorted({str(p[0]) for p in saved})}); load only the objects it holds, or pass the right "
+                    "directory."
+                )
+            own = obj.sharded_template(relative) if isinstance(obj, ShardedState) else None
+            if own is not None:
+                templates[path] = own
+                continue
+            wants: Callable[[tree.Path], bool] = obj.wants if isinstance(obj, ShardedState) else (lambda _: True)
+
+            def keep(p: tree.Path, path: tree.Path = path, wants: Callable[[tree.Path], bool] = wants) -> bool:
+                return p[: len(path)] == path and wants(p[len(path) :])
+
+            flat.update(template(metadata, keep))
+        state: dict[str, Any] = dict(flat)
+        for path, own in templates.items():
+            state[name_of(path)] = own
+        load(state, self.place)
+        nested = nest(metadata, {name: state[name] for name in flat})
+
+        def entry(path: tuple[Any, ...], _: Any) -> Any:
+            if path in templates:
+                return Filled(state[name_of(path)])
+            return as_saved_optimizer_state(tree.get(nested, path))
+
+        return tree.map_tree(entry, objects)
+
+
+# What a consolidation reads at a time: the whole state is held at the end, but progress shows batch by batch.
+_BATCH_BYTES = 256 * 2**20
+
+
+def _nbytes(storage: Any) -> int:
+    if isinstance(storage, TensorStorageMetadata):
+        return storage.size.numel() * storage.properties.dtype.itemsize
+    return 0
+
+
+def _batches(names: list[str], sizes: Mapping[str, int]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    held = 0
+    for name in names:
+        batch.append(name)
+        held += sizes[name]
+        if held >= _BATCH_BYTES:
+            yield batch
+            batch, held = [], 0
+    if batch:
+        yield batch

@@ -1,0 +1,63 @@
+"""Checkpoint formats, one module each, behind one protocol (:class:`~ignite_zero.storage.formats.base.Reader`).
+
+=============  ===============================================================================================
+``base``       the protocol, and what the formats share: :class:`IntegrityError`, :func:`crc32`
+``file``       one file: torch's zip archive sealed with an integrity trailer (:class:`SealingStream` writes it,
+               :class:`FileReader` reads it); a consolidated save, or plain ``torch.save``
+``directory``  a sharded directory: ``torch.distributed.checkpoint``'s, sealed with a manifest of every file
+               (:class:`ChecksummingWriter` writes it, :class:`DirectoryReader` reads it)
+=============  ===============================================================================================
+
+:func:`format_for` picks the reader of a checkpoint by what is stored under its name; nothing outside this package
+asks which format it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ignite_zero.storage.formats.base import Filled, IntegrityError, Reader, Verification, entries_of
+from ignite_zero.storage.formats.directory import DirectoryReader
+from ignite_zero.storage.formats.file import FileReader
+from ignite_zero.storage.places import Place, split
+
+__all__ = [
+    "Filled",
+    "IntegrityError",
+    "Reader",
+    "Verification",
+    "entries_of",
+    "format_for",
+    "is_candidate",
+    "reader_for",
+]
+
+_FORMATS: tuple[type[Reader], ...] = (FileReader, DirectoryReader)
+
+
+def format_for(place: Place, name: str, is_directory: bool | None = None) -> Reader:
+    """The reader of the checkpoint ``name`` in ``place``, in the format that what is stored under that name has: a
+    directory is a sharded checkpoint, anything else a file.
+
+    Args:
+        place: the directory of checkpoints.
+        name: the checkpoint's name there.
+        is_directory: whether ``name`` is a directory, where a listing said so already.
+    """
+    if is_directory is None:
+        is_directory = place.is_dir(name)
+    kind = next(kind for kind in _FORMATS if kind.is_directory == is_directory)
+    return kind.at(place, name)
+
+
+def reader_for(where: str | Path, storage_options: Mapping[str, Any] | None = None) -> Reader:
+    """The reader of the checkpoint at ``where``, a path or a URL (:func:`format_for`)."""
+    parent, name = split(where, storage_options)
+    return format_for(parent, name)
+
+
+def is_candidate(name: str, is_directory: bool) -> bool:
+    """Whether the entry ``name`` of a directory is named as a checkpoint of its kind (a file or a directory)."""
+    return any(name.endswith(f".{kind.ext}") for kind in _FORMATS if kind.is_directory == is_directory)
