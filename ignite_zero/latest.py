@@ -68,8 +68,8 @@ def find_latest(
     assert directory is not None
     rank, _ = rank_and_world()
     found = None
-    # the first rank of each host checks; one rank alone where every rank sees the same store
-    if (rank == 0) if directory.remote else hosts.index(hosts[rank]) == rank:
+    # the first rank of each host checks; one rank alone where every host sees the same contents
+    if (rank == 0) if directory.seen_alike_by_every_host else hosts.index(hosts[rank]) == rank:
         try:
             found = _newest_valid(directory, filename_prefix)
         except Exception as error:

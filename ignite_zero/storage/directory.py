@@ -18,7 +18,7 @@ from ignite_zero import tree
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.naming import check_filename
 from ignite_zero.storage.base import Saver
-from ignite_zero.storage.places import Place, RemotePlace, place_of
+from ignite_zero.storage.places import Place, place_of
 
 __all__ = [
     "TEMPORARY",
@@ -80,7 +80,7 @@ class DirectorySaver(Saver):
 
     @property
     def storage_options(self) -> dict[str, Any] | None:
-        return self.place.storage_options if isinstance(self.place, RemotePlace) else None
+        return self.place.storage_options
 
     def location(self, filename: str) -> str | Path:
         return self.place.location(filename)

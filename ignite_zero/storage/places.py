@@ -64,9 +64,14 @@ class Place(ABC):
 
     Attributes:
         remote: whether it is behind an fsspec URL rather than on a local file system.
+        seen_alike_by_every_host: whether every host sees the same contents here (an object store), so that one
+            rank reading it serves them all; a local path may be a different directory on each host.
+        storage_options: the options of its file system (for a URL), ``None`` for a local path.
     """
 
     remote = False
+    seen_alike_by_every_host = False
+    storage_options: dict[str, Any] | None = None
 
     @abstractmethod
     def __str__(self) -> str: ...
@@ -250,6 +255,8 @@ class RemotePlace(Place):
     """
 
     remote = True
+    seen_alike_by_every_host = True
+    storage_options: dict[str, Any]
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
