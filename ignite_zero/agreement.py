@@ -39,6 +39,7 @@ __all__ = [
     "post",
     "propose",
     "rank_and_world",
+    "round_members",
     "settle",
 ]
 
@@ -89,6 +90,12 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def round_members(ranks: Sequence[int] | None) -> list[int]:
+    """The ranks of a round of :func:`agree` or :func:`settle`, in the order of the payloads it returns: ``ranks``
+    sorted, every rank for ``None``."""
+    return list(range(rank_and_world()[1])) if ranks is None else sorted(ranks)
+
+
 def _channel() -> _Channel:
     group = dist.group.WORLD
     channel = _channels.get(group)
@@ -120,7 +127,7 @@ def agree(
         RankFailureError: ranks called different operations in the same round.
     """
     rank, world_size = rank_and_world()
-    members = list(range(world_size)) if ranks is None else sorted(ranks)
+    members = round_members(ranks)
     if rank not in members:
         raise ValueError(f"Rank {rank} takes part in a round among ranks {members} that it is not one of")
     if len(members) == 1:
@@ -141,11 +148,11 @@ def agree(
         except CollectiveTimeoutError as error:
             arrived = [r for r in members if store.check([f"{key}/p{r}"])]
             error.posted = {r: pickle.loads(store.get(f"{key}/p{r}"))[1] for r in arrived}
-            _give_up_together(store, key, rank, arrived, timeout)
+            _leave_together(store, f"{key}/gave_up", rank, arrived, timeout)  # every rank that came learns it
             raise
         posted = [pickle.loads(raw) for raw in store.multi_get([f"{key}/p{r}" for r in members])]
         _forget(store, f"{_PREFIX}{stream}/{number - 1}", rank, members)
-        _leave_together(store, key, rank, members, timeout)
+        _leave_together(store, f"{key}/done", rank, members, timeout)
     except dist.DistError as error:  # the store itself is gone (DistNetworkError, DistStoreError)
         raise RankFailureError(
             f"Lost the process group's store during the {what} ({error}). The process hosting it (rank 0 under "
@@ -223,7 +230,7 @@ def settle(
     if failure is not None and (rank_and_world()[1] == 1 or (ranks is not None and len(ranks) == 1)):
         raise failure
     own = None if failure is None else f"{type(failure).__name__}: {failure}"
-    members = list(range(rank_and_world()[1])) if ranks is None else sorted(ranks)
+    members = round_members(ranks)
     try:
         posted = agree((own, payload), what=what, timeout=timeout, stream=stream, ranks=members)
     except CollectiveTimeoutError as timeout_error:
@@ -294,38 +301,23 @@ def _timeout_error(
     )
 
 
-def _leave_together(store: dist.Store, key: str, rank: int, members: list[int], timeout: float) -> None:
-    """On the first rank of the round (rank 0 when it takes part), return only once every rank has read the
-    round; other ranks return at once.
+def _leave_together(store: dist.Store, counter: str, rank: int, ranks: list[int], timeout: float) -> None:
+    """Count this rank out under ``counter``; on the first of ``ranks``, return only once all of them have (or after
+    ``timeout``), other ranks return at once.
 
     The store may live in rank 0's process: ``init_process_group`` starts its TCP store there for ``env://``
     and ``tcp://`` (``idist.Parallel`` does so; torchrun keeps it in its agent instead). If rank 0 finished
-    its last round and exited, it would take the store away from a rank still reading it. A rank that has
-    counted itself done needs the store no more, so only rank 0 waits.
+    its last round, or gave up on it, and exited, it would take the store away from a rank still reading the
+    round's outcome, which would raise a lost store instead of that outcome. A rank that has counted itself out
+    needs the store no more, so only the first rank waits.
     """
-    if store.add(f"{key}/done", 1) >= len(members) or rank != members[0]:
+    if store.add(counter, 1) >= len(ranks) or rank != ranks[0]:
         return
     deadline = time.monotonic() + timeout
     pause = 0.0005
-    while store.add(f"{key}/done", 0) < len(members) and time.monotonic() < deadline:
+    while store.add(counter, 0) < len(ranks) and time.monotonic() < deadline:
         time.sleep(pause)
-        pause = min(pause * 2, _longest_pause(len(members)))
-
-
-def _give_up_together(store: dist.Store, key: str, rank: int, arrived: list[int], timeout: float) -> None:
-    """On the first rank that arrived, return only once every rank that arrived has learnt that the round failed (or
-    after ``timeout``); other ranks return at once.
-
-    That rank may host the store (see :func:`_leave_together`) and end its process right after the error: the other
-    ranks would then lose the store before they read the outcome, and raise a lost store instead of the same error.
-    """
-    if store.add(f"{key}/gave_up", 1) >= len(arrived) or rank != arrived[0]:
-        return
-    deadline = time.monotonic() + timeout
-    pause = 0.0005
-    while store.add(f"{key}/gave_up", 0) < len(arrived) and time.monotonic() < deadline:
-        time.sleep(pause)
-        pause = min(pause * 2, _longest_pause(len(arrived)))
+        pause = min(pause * 2, _longest_pause(len(ranks)))
 
 
 def _longest_pause(world_size: int) -> float:
@@ -347,7 +339,7 @@ def _forget(store: dist.Store, key: str, rank: int, members: list[int]) -> None:
         return
     store.delete_key(f"{key}/p{rank}")
     if rank == members[0]:
-        for name in ("n", "state", "done"):
+        for name in ("n", "state", "done", "gave_up"):
             store.delete_key(f"{key}/{name}")
 
 

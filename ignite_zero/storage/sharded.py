@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ignite_zero import tree
 from ignite_zero.adapters import ShardedState
-from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
+from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, round_members, settle
 from ignite_zero.groups import cpu_group
 from ignite_zero.naming import check_filename
 from ignite_zero.storage.base import SaveRequest
@@ -278,9 +278,10 @@ class ShardedSaver(DirectorySaver):
                     target.write(sharded.UNCOMMITTED, lambda f: f.write(b""))
                 else:
                     target.make()
-                if not self._seen_by_every_rank and len(_members(ranks)) > 1:
-                    probe = secrets.token_hex(16)
-                    target.write(_PROBE, lambda f: f.write(probe.encode()))  # type: ignore[union-attr]
+                if not self._seen_by_every_rank and len(round_members(ranks)) > 1:
+                    token = secrets.token_hex(16)
+                    target.write(_PROBE, lambda f: f.write(token.encode()))
+                    probe = token
                 free = self.place.free_space()
             except Exception as error:
                 failure = error
@@ -322,7 +323,7 @@ class ShardedSaver(DirectorySaver):
                 sees = False
             except Exception as error:  # e.g. a directory this rank may not read: a failure of its own
                 failure = error
-        members = _members(ranks)
+        members = round_members(ranks)
         seen = settle(
             failure, what=f"check of {filename}'s directory", timeout=timeout, stream=stream, payload=sees, ranks=ranks
         )
@@ -389,7 +390,7 @@ class ShardedSaver(DirectorySaver):
         )
         if not self.is_writer:
             return
-        self._check_every_part_is_there(partial, filename, files, _members(ranks))
+        self._check_every_part_is_there(partial, filename, files, round_members(ranks))
         listed = {name: record for rank_files in files for name, record in rank_files.items()}
         sharded.seal(partial, listed, world_size=len(files), torch=torch.__version__, ignite_zero=package_version())
         if self.place.remote:
@@ -432,11 +433,6 @@ def share(state: Any, rank: int, world_size: int, keeper: int) -> Any:
         )
 
     return tree.map_tree(deal, state, is_leaf=whole)
-
-
-def _members(ranks: Sequence[int] | None) -> list[int]:
-    """The ranks of a save in the order of its rounds' payloads."""
-    return list(range(rank_and_world()[1])) if ranks is None else sorted(ranks)
 
 
 def _alone(ranks: Sequence[int] | None) -> bool:
