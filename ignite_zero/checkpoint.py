@@ -16,7 +16,7 @@ import logging
 import numbers
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, RankFailureError, busy, 
 from ignite_zero.background import BackgroundSaves
 from ignite_zero.latest import find_latest
 from ignite_zero.loading import restore
-from ignite_zero.naming import check_filename, read_name
+from ignite_zero.naming import check_filename, global_step_of, read_name
 from ignite_zero.storage import Saver, SaveRequest, as_saver, saver_for
 
 __all__ = ["Checkpoint", "ModelCheckpoint"]
@@ -408,13 +408,17 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             with_global_step=global_step is not None,
         )
 
-    def load_latest(self, to_load: Mapping, **kwargs: Any) -> str | None:
+    def load_latest(self, to_load: Mapping, *, places: Sequence[str | Path] | None = None, **kwargs: Any) -> str | None:
         """Load ``to_load`` from the newest valid checkpoint of this handler (:func:`~ignite_zero.find_latest` in its
-        directory, with its ``filename_prefix``), and take up its retention: the checkpoints this handler would have
-        kept, so that ``n_saved`` and ``last_checkpoint`` carry on from there. Call it on every rank.
+        directory, with its ``filename_prefix``), or of several tiers (``places``), and take up its retention: the
+        checkpoints this handler would have kept, so that ``n_saved`` and ``last_checkpoint`` carry on from there.
+        Call it on every rank.
 
         Args:
             to_load: objects to restore, as for :meth:`load_objects`.
+            places: directories (paths or URLs) to search together instead of this handler's own, e.g. a fast
+                node-local tier and a durable one. The newest valid checkpoint of any of them is loaded; this handler
+                carries on its retention from its own checkpoints up to that one.
             kwargs: further arguments of :meth:`load_objects`.
 
         Returns:
@@ -429,34 +433,60 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                 checkpoint.load_latest(to_save)  # a fresh run, or a restarted one: the same code
                 trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpoint)
 
+            Two tiers: a fast one every few iterations, and a durable one (a shared directory, or an object store's
+            ``"s3://bucket/run"``) every epoch; a run resumes from the newest valid checkpoint of either:
+
+            .. code-block:: python
+
+                from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
+
+                fast = Checkpoint(to_save, ShardedSaver("fast/ckpt", require_empty=False), n_saved=2)
+                durable = Checkpoint(to_save, DiskSaver("shared/ckpt", require_empty=False), n_saved=2)
+                trainer.add_event_handler(Events.ITERATION_COMPLETED(every=2), fast)
+                trainer.add_event_handler(Events.EPOCH_COMPLETED, durable)
+                # every run, fresh or restarted, on every rank:
+                fast.load_latest(to_save, places=["fast/ckpt", "shared/ckpt"])
+                trainer.run(loader, max_epochs=3)
+
         .. versionadded:: 0.2.0
+        .. versionchanged:: 0.2.0
+            ``places``.
         """
         directory = self.saver.directory
-        if directory is None:
+        if directory is None and places is None:
             raise ValueError(
                 f"load_latest looks for checkpoints in the directory of the save_handler, and this "
-                f"{type(self.save_handler).__name__} has none; use a DiskSaver or ShardedSaver, or find_latest."
+                f"{type(self.save_handler).__name__} has none; use a DiskSaver or ShardedSaver, pass `places`, or use "
+                "find_latest."
             )
         self.wait()
-        options = self.saver.storage_options
+        options = self.saver.storage_options if places is None else kwargs.get("storage_options")
         found = find_latest(
-            directory, filename_prefix=self.filename_prefix, storage_options=options, sync_timeout=self.sync_timeout
+            directory if places is None else places,  # type: ignore[arg-type]
+            filename_prefix=self.filename_prefix,
+            storage_options=options,
+            sync_timeout=self.sync_timeout,
         )
         if found is None:
             return None
         kwargs.setdefault("sync_timeout", self.sync_timeout)
         kwargs.setdefault("storage_options", options)
         type(self).load_objects(to_load=to_load, checkpoint=found, **kwargs)
-        self._retain(self._retention_until(Path(found).name))
+        name = Path(found).name
+        self._retain(self._retention_until(name, own=str(self.saver.location(name)) == found))
         return found
 
-    def _retention_until(self, last: str) -> list[tuple[int | float, str]]:
+    def _retention_until(self, last: str, own: bool = True) -> list[tuple[int | float, str]]:
         """The ``(priority, filename)`` pairs this handler keeps once ``last`` is its newest checkpoint: its own
-        names in its directory, read back with its file name pattern, up to ``last``, at most ``n_saved``."""
+        names in its directory, read back with its file name pattern, up to ``last``, at most ``n_saved``. Where
+        ``last`` is another handler's (``own`` False: another tier), it is no name of this one's to keep."""
         pairs = [(priority, name) for name in self.saver.list() if (priority := self._priority_in(name)) is not None]
-        ceiling = self._priority_in(last)
-        kept = sorted(pair for pair in pairs if ceiling is None or pair[0] <= ceiling)
-        kept = [pair for pair in kept if pair[1] != last] + [(ceiling if ceiling is not None else 0, last)]
+        ceiling = self._priority_in(last) if own else global_step_of(last)
+        # of its own checkpoints at another tier's step, none verified (else it would be newest): none is retained
+        kept = sorted(pair for pair in pairs if ceiling is None or pair[0] < ceiling or (own and pair[0] == ceiling))
+        kept = [pair for pair in kept if pair[1] != last]
+        if own:
+            kept.append((ceiling if ceiling is not None else 0, last))
         return kept if self.n_saved is None else kept[-self.n_saved :]
 
     def _priority_in(self, filename: str) -> int | float | None:

@@ -1,12 +1,16 @@
-"""The newest checkpoint in a place that is complete and passes verification, agreed by every rank.
+"""The newest checkpoint in one place or several that is complete and passes verification, agreed by every rank.
 
 Newest means: when every candidate's name ends with a number, as the default file names of
 :class:`~ignite_zero.Checkpoint` do (``checkpoint_300.pt``, ``best_model_300_acc=0.9000.pt``: the global step or
-iteration), the highest number, ties broken by modification time; otherwise the latest modification time.
-Candidates are checkpoint files (``.pt``) and sharded checkpoint directories (``.dcp``), hidden temporaries of
-interrupted saves aside, in a local directory or under a URL (on an object store, a sharded checkpoint without its
-manifest is uncommitted). Each is verified in full, newest first; a truncated, corrupt or uncommitted one is skipped
-with a warning in the log that says why.
+iteration), the highest number, ties broken by modification time; otherwise the latest modification time. Across
+several places (tiers: a node-local directory saved every few minutes, a durable one every epoch) the rule spans
+them all. Candidates are checkpoint files (``.pt``) and sharded checkpoint directories (``.dcp``), hidden
+temporaries of interrupted saves aside, in a local directory or under a URL (on an object store, a sharded
+checkpoint without its manifest is uncommitted). Each is verified, newest first, until one passes; a truncated,
+corrupt or uncommitted one is skipped with a warning in the log that says why.
+
+A place on a local path may hold different contents on each host (node-local disks): one rank of each host checks
+what its host holds, and a checkpoint is valid when its every part verified on at least one host.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
@@ -26,24 +31,40 @@ __all__ = ["find_latest"]
 
 logger = logging.getLogger(__name__)
 
+# The one part of a checkpoint that is verified whole: a file, or a directory that one host holds entirely.
+_WHOLE = ""
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """What one host found of a candidate: which checkpoint it holds (``identity``), the parts that checkpoint has,
+    and the parts that verified here."""
+
+    identity: Any
+    parts: frozenset[str]
+    good: frozenset[str]
+
 
 def find_latest(
-    place: str | os.PathLike,
+    place: str | os.PathLike | Sequence[str | os.PathLike],
     *,
     filename_prefix: str = "",
     storage_options: Mapping[str, Any] | None = None,
     sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
 ) -> str | None:
-    """The path (or URL) of the newest valid checkpoint in the directory ``place``, ``None`` if there is none.
+    """The path (or URL) of the newest valid checkpoint in the directory ``place``, or in any of a list of them;
+    ``None`` if there is none.
 
-    With a process group this is a collective: call it on every rank. One rank per host checks the candidates (the
-    others would read the same files), and every rank gets the same answer: the newest that any host found.
+    With a process group this is a collective: call it on every rank. One rank per host checks the candidates of a
+    local path (one rank in all for an object store, which every host sees alike), and every rank gets the same
+    answer: the newest checkpoint that verified, on any host.
 
     Args:
-        place: the directory the checkpoints were saved in: a path, or an fsspec URL (``s3://bucket/run``).
+        place: the directory the checkpoints were saved in: a path, or an fsspec URL (``s3://bucket/run``); or a
+            list of them, searched together (tiers).
         filename_prefix: only names that start with it, as :class:`~ignite_zero.Checkpoint`'s
             ``filename_prefix`` makes them (``"{filename_prefix}_..."``).
-        storage_options: options of the URL's file system (for S3: ``endpoint_url``, ``key``, ``secret``...).
+        storage_options: options of the URLs' file system (for S3: ``endpoint_url``, ``key``, ``secret``...).
         sync_timeout: seconds every rank waits for the others.
 
     Examples:
@@ -57,60 +78,105 @@ def find_latest(
 
     .. versionadded:: 0.2.0
     .. versionchanged:: 0.2.0
-        ``place`` may be an fsspec URL, with ``storage_options``.
+        ``place`` may be an fsspec URL, with ``storage_options``, or a list of places.
     """
-    directory, failure = None, None
+    named = [place] if isinstance(place, (str, os.PathLike)) else list(place)
+    directories: list[Place] = []
+    failure = None
     try:
-        directory = place_of(place, storage_options)
+        if not named:
+            raise ValueError("find_latest was given an empty list of places; pass at least one directory or URL")
+        directories = [place_of(where, storage_options) for where in named]
     except Exception as error:  # raised on every rank by the first round, not on this one alone
         failure = error
     hosts = settle(failure, what="search for the latest checkpoint", timeout=sync_timeout, payload=socket.gethostname())
-    assert directory is not None
     rank, _ = rank_and_world()
-    found = None
-    # the first rank of each host checks; one rank alone where every host sees the same contents
-    if (rank == 0) if directory.seen_alike_by_every_host else hosts.index(hosts[rank]) == rank:
+    mine = [index for index, directory in enumerate(directories) if _checks(directory, rank, hosts)]
+    listed: dict[int, dict[str, tuple[int | None, float]]] = {}
+    failure = None
+    try:
+        listed = {index: _candidates(directories[index], filename_prefix) for index in mine}
+    except Exception as error:
+        failure = error
+    listings = settle(failure, what="search for the latest checkpoint (listing)", timeout=sync_timeout, payload=listed)
+    for index, name in _newest_first(listings):
+        verdict, failure = None, None
+        if name in listed.get(index, {}):
+            try:
+                verdict = _verdict(directories[index], name)
+            except Exception as error:
+                failure = error
+        verdicts = settle(
+            failure, what="search for the latest checkpoint (verification)", timeout=sync_timeout, payload=verdict
+        )
+        if _is_whole_somewhere([v for v in verdicts if v is not None]):
+            return str(directories[index].location(name))
+    return None
+
+
+def _checks(directory: Place, rank: int, hosts: list[str]) -> bool:
+    """Whether this rank checks ``directory``: the first rank of each host, or rank 0 alone where every host sees
+    the same contents."""
+    return rank == 0 if directory.seen_alike_by_every_host else hosts.index(hosts[rank]) == rank
+
+
+def _candidates(place: Place, prefix: str) -> dict[str, tuple[int | None, float]]:
+    """The candidates of ``place``: each name's global step (``None`` if it has none) and modification time."""
+    found = {}
+    for name, is_directory in place.entries().items():
+        if not _is_candidate(name, is_directory, prefix):
+            continue
         try:
-            found = _newest_valid(directory, filename_prefix)
-        except Exception as error:
-            failure = error
-    answers = settle(failure, what="search for the latest checkpoint (results)", timeout=sync_timeout, payload=found)
-    candidates = [answer for answer in answers if answer is not None]
-    return None if not candidates else str(max(candidates, key=lambda item: item[0])[1])
+            modified = format_for(place, name, is_directory).modified()
+        except FileNotFoundError:  # uncommitted, or removed meanwhile: verification says so
+            modified = 0.0
+        found[name] = (global_step_of(name), modified)
+    return found
 
 
-def _newest_valid(place: Place, prefix: str) -> tuple[Any, str] | None:
-    """``(sort key, location)`` of the newest candidate that verifies."""
-    candidates = {
-        name: is_directory
-        for name, is_directory in place.entries().items()
-        if _is_candidate(name, is_directory, prefix)
-    }
-    steps = {name: global_step_of(name) for name in candidates}
+def _newest_first(listings: list[dict[int, dict[str, tuple[int | None, float]]]]) -> list[tuple[int, str]]:
+    """Every candidate that any rank listed, as ``(index of its place, name)``, newest first."""
+    modified: dict[tuple[int, str], float] = {}
+    steps: dict[tuple[int, str], int | None] = {}
+    for listing in listings:
+        for index, names in listing.items():
+            for name, (step, time) in names.items():
+                modified[index, name] = max(time, modified.get((index, name), time))
+                steps[index, name] = step
     by_number = all(step is not None for step in steps.values())
 
-    readers = {name: format_for(place, name, is_directory) for name, is_directory in candidates.items()}
+    def key(candidate: tuple[int, str]) -> tuple[Any, ...]:
+        return (steps[candidate], modified[candidate]) if by_number else (modified[candidate],)
 
-    def key(name: str) -> tuple[Any, ...]:
-        try:
-            modified = readers[name].modified()
-        except FileNotFoundError:  # uncommitted, or removed meanwhile: verification says so below
-            modified = 0.0
-        step = steps[name]
-        return (step, modified) if by_number and step is not None else (modified,)
+    return sorted(modified, key=key, reverse=True)
 
-    for name in sorted(candidates, key=key, reverse=True):
-        location = place.location(name)
-        try:
-            reader = readers[name]
-            if reader.identity() is None:
-                raise IntegrityError(f"{location} is no longer there")
-            reader.verify(whole=False)
-        except (IntegrityError, OSError, ValueError) as error:
-            logger.warning("Skipping checkpoint %s: %s", location, error)
-            continue
-        return key(name), str(location)
-    return None
+
+def _verdict(place: Place, name: str) -> _Verdict | None:
+    """What this host holds of the candidate ``name``, verified; ``None`` if nothing."""
+    reader = format_for(place, name)
+    location = place.location(name)
+    try:
+        identity = reader.identity()
+        if identity is None:
+            return None
+        reader.verify(whole=False)
+    except (IntegrityError, OSError, ValueError) as error:
+        logger.warning("Skipping checkpoint %s: %s", location, error)
+        return _Verdict(location, frozenset([_WHOLE]), frozenset())
+    return _Verdict(identity, frozenset([_WHOLE]), frozenset([_WHOLE]))
+
+
+def _is_whole_somewhere(verdicts: list[_Verdict]) -> bool:
+    """Whether, for one checkpoint that the hosts hold, each of its parts verified on at least one host."""
+    by_identity: dict[Any, list[_Verdict]] = {}
+    for verdict in verdicts:
+        by_identity.setdefault(verdict.identity, []).append(verdict)
+    for alike in by_identity.values():
+        parts = frozenset().union(*(v.parts for v in alike))
+        good = frozenset().union(*(v.good for v in alike))
+        if parts and parts <= good:
+            return True
+    return False
 
 
 def _is_candidate(name: str, is_directory: bool, prefix: str) -> bool:

@@ -124,3 +124,46 @@ def test_load_latest_reads_scores_back_from_the_names(tmp_path):
     assert resumed.load_latest({"model": tiny_model()}) == str(tmp_path / "model_acc=0.9000.pt")
     assert resumed.state_dict()["_saved"] == [(0.7, "model_acc=0.7000.pt"), (0.9, "model_acc=0.9000.pt")]
     assert torch.load(tmp_path / "model_acc=0.9000.pt", weights_only=True).keys() == model.state_dict().keys()
+
+
+def _two_tiers(rank, world_size, tmp_path):
+    """A fast sharded tier every iteration and a durable one every second iteration; then a run that resumes from
+    whichever holds the newest valid checkpoint."""
+    fast_dir, durable_dir = tmp_path / "fast", tmp_path / "durable"
+    model = tiny_model()
+    optimizer = zero_adam(model)
+    trainer = _trainer(model, optimizer, rank)
+    to_save = {"model": model, "optimizer": optimizer, "trainer": trainer}
+    fast = Checkpoint(to_save, ShardedSaver(fast_dir), n_saved=2)
+    durable = Checkpoint(to_save, DiskSaver(durable_dir), n_saved=2)
+    trainer.add_event_handler(Events.ITERATION_COMPLETED(every=2), durable)
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, fast)  # at step 4, the newer of the two
+    expected = {}
+    trainer.add_event_handler(
+        Events.ITERATION_COMPLETED, lambda e: expected.update({e.state.iteration: model.state_dict()})
+    )
+    trainer.run(range(4), max_epochs=1)
+    newest = find_latest([fast_dir, durable_dir])
+    if rank == 0:  # the newest is corrupt: the other tier's at the same step is the newest valid
+        data = fast_dir / "checkpoint_4.dcp" / "__0_0.distcp"
+        content = bytearray(data.read_bytes())
+        content[len(content) // 2] ^= 0xFF
+        data.write_bytes(bytes(content))
+    torch.distributed.barrier()
+    found = find_latest([fast_dir, durable_dir])
+
+    model = tiny_model(seed=5)
+    optimizer = zero_adam(model)
+    to_load = {"model": model, "optimizer": optimizer, "trainer": _trainer(model, optimizer, rank)}
+    resumed = Checkpoint(to_load, ShardedSaver(fast_dir, require_empty=False), n_saved=2)
+    loaded = resumed.load_latest(to_load, places=[str(fast_dir), str(durable_dir)])
+    assert_state_equal(model.state_dict(), expected[4])
+    return newest, found, loaded, str(resumed.last_checkpoint), to_load["trainer"].state.iteration
+
+
+@pytest.mark.distributed
+def test_two_tiers_the_newest_valid_of_either_and_the_handler_keeps_its_own_retention(tmp_path):
+    for newest, found, loaded, last, iteration in run_ranks(_two_tiers, 2, tmp_path):
+        assert newest == str(tmp_path / "fast" / "checkpoint_4.dcp")
+        assert found == loaded == str(tmp_path / "durable" / "checkpoint_4.pt")
+        assert last == str(tmp_path / "fast" / "checkpoint_3.dcp") and iteration == 4
