@@ -33,7 +33,7 @@ from ignite_zero.background import BackgroundSaves
 from ignite_zero.latest import find_latest
 from ignite_zero.loading import restore
 from ignite_zero.naming import check_filename, global_step_of, read_name
-from ignite_zero.storage import Saver, SaveRequest, as_saver, saver_for
+from ignite_zero.storage import Saver, SaveRequest, as_saver, replicas, saver_for
 
 __all__ = ["Checkpoint", "ModelCheckpoint"]
 
@@ -433,19 +433,20 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                 checkpoint.load_latest(to_save)  # a fresh run, or a restarted one: the same code
                 trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpoint)
 
-            Two tiers: a fast one every few iterations, and a durable one (a shared directory, or an object store's
-            ``"s3://bucket/run"``) every epoch; a run resumes from the newest valid checkpoint of either:
+            Two tiers: a fast one on each node's own disk every few iterations, kept on two hosts (see
+            :class:`~ignite_zero.ShardedSaver`'s ``replicas``), and a durable one (a shared directory, or an object
+            store's ``"s3://bucket/run"``) every epoch; a run resumes from the newest valid checkpoint of either:
 
             .. code-block:: python
 
                 from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
 
-                fast = Checkpoint(to_save, ShardedSaver("fast/ckpt", require_empty=False), n_saved=2)
+                fast = Checkpoint(to_save, ShardedSaver("local/ckpt", replicas=1, require_empty=False), n_saved=2)
                 durable = Checkpoint(to_save, DiskSaver("shared/ckpt", require_empty=False), n_saved=2)
                 trainer.add_event_handler(Events.ITERATION_COMPLETED(every=2), fast)
                 trainer.add_event_handler(Events.EPOCH_COMPLETED, durable)
                 # every run, fresh or restarted, on every rank:
-                fast.load_latest(to_save, places=["fast/ckpt", "shared/ckpt"])
+                fast.load_latest(to_save, places=["local/ckpt", "shared/ckpt"])
                 trainer.run(loader, max_epochs=3)
 
         .. versionadded:: 0.2.0
@@ -471,6 +472,8 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             return None
         kwargs.setdefault("sync_timeout", self.sync_timeout)
         kwargs.setdefault("storage_options", options)
+        # a replicated checkpoint's files that this host lacks, fetched even where the load itself is local
+        replicas.complete(found, options, self.sync_timeout)
         type(self).load_objects(to_load=to_load, checkpoint=found, **kwargs)
         name = Path(found).name
         self._retain(self._retention_until(name, own=str(self.saver.location(name)) == found))

@@ -24,6 +24,7 @@ from typing import Any
 
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
 from ignite_zero.naming import global_step_of
+from ignite_zero.storage import replicas
 from ignite_zero.storage.formats import IntegrityError, format_for, is_candidate
 from ignite_zero.storage.places import Place, place_of
 
@@ -109,8 +110,13 @@ def find_latest(
         verdicts = settle(
             failure, what="search for the latest checkpoint (verification)", timeout=sync_timeout, payload=verdict
         )
-        if _is_whole_somewhere([v for v in verdicts if v is not None]):
+        missing = _missing([v for v in verdicts if v is not None])
+        if not missing:
             return str(directories[index].location(name))
+        if rank == 0 and missing != [_WHOLE]:  # a replicated checkpoint: each host logged its own findings
+            logger.warning(
+                "Skipping checkpoint %s: its files %s survive on no host", directories[index].location(name), missing
+            )
     return None
 
 
@@ -152,7 +158,11 @@ def _newest_first(listings: list[dict[int, dict[str, tuple[int | None, float]]]]
 
 
 def _verdict(place: Place, name: str) -> _Verdict | None:
-    """What this host holds of the candidate ``name``, verified; ``None`` if nothing."""
+    """What this host holds of the candidate ``name``, verified; ``None`` if nothing. Of a replicated checkpoint,
+    the files that verify here; of any other, whether it verifies whole."""
+    held = replicas.survival(place, name)
+    if held is not None:
+        return _Verdict(held.identity, frozenset(held.files), held.good)
     reader = format_for(place, name)
     location = place.location(name)
     try:
@@ -166,17 +176,22 @@ def _verdict(place: Place, name: str) -> _Verdict | None:
     return _Verdict(identity, frozenset([_WHOLE]), frozenset([_WHOLE]))
 
 
-def _is_whole_somewhere(verdicts: list[_Verdict]) -> bool:
-    """Whether, for one checkpoint that the hosts hold, each of its parts verified on at least one host."""
+def _missing(verdicts: list[_Verdict]) -> list[str]:
+    """The parts of a candidate that verified on no host (of the checkpoint the hosts hold most of, where they hold
+    different ones under its name); empty when it is whole somewhere, ``[""]`` when no host holds it at all."""
     by_identity: dict[Any, list[_Verdict]] = {}
     for verdict in verdicts:
         by_identity.setdefault(verdict.identity, []).append(verdict)
+    best = [_WHOLE]
     for alike in by_identity.values():
         parts = frozenset().union(*(v.parts for v in alike))
         good = frozenset().union(*(v.good for v in alike))
-        if parts and parts <= good:
-            return True
-    return False
+        missing = sorted(parts - good)
+        if not missing:
+            return []
+        if best == [_WHOLE] or len(missing) < len(best):
+            best = missing
+    return best
 
 
 def _is_candidate(name: str, is_directory: bool, prefix: str) -> bool:

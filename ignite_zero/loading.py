@@ -34,6 +34,7 @@ from ignite_zero import deferred, transport, tree
 from ignite_zero.adapters import ShardedState, adapt, in_loadable_form
 from ignite_zero.agreement import rank_and_world, settle
 from ignite_zero.groups import cpu_group
+from ignite_zero.storage import replicas
 from ignite_zero.storage.formats import Filled, Reader, entries_of, reader_for
 
 __all__ = ["restore"]
@@ -57,6 +58,8 @@ def restore(
     objects = None
     try:
         objects = adapt(to_load, 0)
+        if _collective(objects) and not isinstance(checkpoint, Mapping):  # files a host lacks, from hosts with them
+            replicas.complete(checkpoint, storage_options, sync_timeout)
         reader = None if isinstance(checkpoint, Mapping) else reader_for(checkpoint, storage_options)
     except Exception as error:  # e.g. a directory this rank may not read: the others would wait for it in round 1
         if objects is None or _collective(objects):  # only sharded objects fail to adapt

@@ -6,8 +6,11 @@ Each rank leaves what it saw in ``WORKDIR/result-RANK.pkl``: ``(True, value)``, 
 
 from __future__ import annotations
 
+import copy
+import logging
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -18,11 +21,11 @@ from typing import Any
 import ignite.distributed as idist
 import torch
 import torch.distributed as dist
-from ignite.engine import Engine
+from ignite.engine import Engine, Events
 from launcher import attempt
 from training import assert_state_equal, tiny_model, train_step, zero_adam
 
-from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
+from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, find_latest
 
 SYNC_TIMEOUT = 20.0
 
@@ -130,6 +133,134 @@ def host_lost(workdir: Path, node_local: Path) -> dict[str, Any]:
     return seen
 
 
+def _resumable(rank: int, seed: int = 0) -> dict[str, Any]:
+    """The objects of :func:`_objects` and a trainer that trains them, which a checkpoint saves too."""
+    objects = _objects(rank, seed)
+    model, optimizer = objects["model"], objects["optimizer"]
+    return {**objects, "trainer": Engine(lambda e, b: train_step(model, optimizer, rank, e.state.iteration))}
+
+
+def _state(objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A copy of the model's state and of this rank's partition of the optimizer's."""
+    return copy.deepcopy(objects["model"].state_dict()), copy.deepcopy(objects["optimizer"].optim.state_dict())
+
+
+def _assert_state(objects: dict[str, Any], state: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    assert_state_equal(objects["model"].state_dict(), state[0])
+    loaded = objects["optimizer"].optim.state_dict()  # its entries in the order they were loaded in
+    assert_state_equal({**loaded, "state": dict(sorted(loaded["state"].items()))}, state[1])
+
+
+def _files(directory: Path) -> dict[str, list[str]]:
+    """The checkpoints this host holds in ``directory``, each with its files."""
+    return {name: sorted(os.listdir(directory / name)) for name in _visible(directory) or []}
+
+
+def _warnings_of(logger: str) -> list[str]:
+    """The messages that ``logger`` logs from now on."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(logger).addHandler(handler)
+    return records
+
+
+def replicated(workdir: Path, node_local: Path) -> dict[str, Any]:
+    """One rank a host: a replicated fast tier every iteration and a durable one every second; bad settings; an
+    asynchronous save; the second host replaced by an empty one and a resume from both tiers; a file lost on both
+    hosts; the save after."""
+    rank = idist.get_rank()
+    fast_dir, durable_dir = node_local / "fast", workdir / "durable"
+    objects = _resumable(rank)
+    trainer = objects["trainer"]
+    states = {}
+    fast = Checkpoint(objects, ShardedSaver(fast_dir, replicas=1), n_saved=2, sync_timeout=SYNC_TIMEOUT)
+    durable = Checkpoint(objects, DiskSaver(durable_dir), n_saved=1, sync_timeout=SYNC_TIMEOUT)
+    trainer.add_event_handler(Events.ITERATION_COMPLETED(every=2), durable)
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, fast)  # the newer at iteration 2
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: states.update({e.state.iteration: _state(objects)}))
+    trainer.run(range(3), max_epochs=1)
+    seen: dict[str, Any] = {"saved": _files(fast_dir)}
+
+    too_many = Checkpoint(objects, ShardedSaver(node_local / "bad", replicas=2), sync_timeout=SYNC_TIMEOUT)
+    seen["too many"] = attempt(lambda: too_many(trainer))
+    shared = Checkpoint(objects, ShardedSaver(workdir / "shared", replicas=1), sync_timeout=SYNC_TIMEOUT)
+    seen["shared"] = attempt(lambda: shared(trainer))
+    seen["shared files"] = _visible(workdir / "shared")
+    background = Checkpoint(
+        objects, ShardedSaver(node_local / "async", replicas=1), async_save=True, sync_timeout=SYNC_TIMEOUT
+    )
+    background(trainer)
+    background.wait()
+    seen["async"] = _files(node_local / "async")
+
+    dist.barrier()
+    if rank == 1:  # the second host replaced by one whose disk is empty
+        shutil.rmtree(fast_dir)
+    dist.barrier()
+    fresh = _resumable(rank, seed=1)
+    resumed = Checkpoint(fresh, ShardedSaver(fast_dir, replicas=1, require_empty=False), n_saved=2)
+    seen["resumed"] = resumed.load_latest(fresh, places=[fast_dir, durable_dir])
+    _assert_state(fresh, states[3])
+    seen["repaired"] = _files(fast_dir)
+
+    (fast_dir / "checkpoint_3.dcp" / "__1_0.distcp").unlink()  # on both hosts: a file that survives nowhere
+    dist.barrier()
+    log = _warnings_of("ignite_zero.latest")
+    seen["after loss"] = find_latest([fast_dir, durable_dir])  # the second host lacks checkpoint_2.dcp
+    seen["log"] = log
+    fresh = _resumable(rank, seed=2)
+    Checkpoint.load_objects(fresh, seen["after loss"], sync_timeout=SYNC_TIMEOUT)
+    _assert_state(fresh, states[2])
+    seen["fetched"] = _files(fast_dir)
+
+    trainer.state.iteration = 4
+    resumed(trainer)  # every host holds every file again
+    seen["next"] = _files(fast_dir)
+    if rank == 0:
+        torch.save(objects["model"].state_dict(), workdir / "model-4.pt")
+    return seen
+
+
+def grown(workdir: Path, node_local: Path) -> dict[str, Any]:
+    """Two ranks a host, after :func:`replicated` saved with one, its second host's disk emptied: a resume, a save,
+    and the second host lost as its ranks enter the next save."""
+    rank = idist.get_rank()
+    fast_dir = node_local / "fast"
+    objects = _resumable(rank, seed=3)
+    handler = Checkpoint(objects, ShardedSaver(fast_dir, replicas=1, require_empty=False), n_saved=2, sync_timeout=5)
+    seen: dict[str, Any] = {"resumed": handler.load_latest(objects)}
+    assert_state_equal(objects["model"].state_dict(), torch.load(workdir / "model-4.pt", weights_only=True))
+    seen["repaired"] = _files(fast_dir)
+    trainer = objects["trainer"]
+    train_step(objects["model"], objects["optimizer"], rank, 5)
+    trainer.state.iteration = 5
+    handler(trainer)
+    seen["saved"] = _files(fast_dir)
+    if rank == 0:
+        torch.save(objects["model"].state_dict(), workdir / "model-5.pt")
+    dist.barrier()
+    train_step(objects["model"], objects["optimizer"], rank, 6)
+    trainer.state.iteration = 6
+    if rank >= idist.get_nproc_per_node():
+        (workdir / f"at-save-{rank}").touch()  # the test kills this host now
+        handler(trainer)
+        time.sleep(600)
+    seen["lost"] = attempt(lambda: handler(trainer))
+    seen["files"] = _files(fast_dir)
+    return seen
+
+
+def shrunk(workdir: Path, node_local: Path) -> dict[str, Any]:
+    """One host of two ranks, the survivor of :func:`grown`: a resume from its disk alone."""
+    rank = idist.get_rank()
+    objects = _resumable(rank, seed=4)
+    handler = Checkpoint(objects, ShardedSaver(node_local / "fast", replicas=1, require_empty=False))
+    seen = {"resumed": handler.load_latest(objects)}
+    assert_state_equal(objects["model"].state_dict(), torch.load(workdir / "model-5.pt", weights_only=True))
+    return seen
+
+
 def _run(local_rank: int, scenario: str, workdir: Path, node_local: Path) -> None:
     rank = idist.get_rank()
     try:
@@ -137,7 +268,7 @@ def _run(local_rank: int, scenario: str, workdir: Path, node_local: Path) -> Non
     except BaseException:
         outcome = (False, traceback.format_exc())
     (workdir / f"result-{rank}.pkl").write_bytes(pickle.dumps(outcome))
-    if scenario == "host_lost":  # the other host is gone: leave at once rather than wait for it at the exit
+    if scenario in ("host_lost", "grown"):  # the other host is gone: leave at once rather than wait for it at the exit
         sys.stdout.flush()
         os._exit(0)
 

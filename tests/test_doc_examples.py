@@ -347,7 +347,7 @@ EXAMPLES: dict[str, Example] = {
     "ignite_zero.checkpoint.Checkpoint": Example(2, zero, ("ckpt/checkpoint_2.pt", "ckpt/checkpoint_3.pt")),
     "ignite_zero.checkpoint.Checkpoint.load_latest": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
     "ignite_zero.checkpoint.Checkpoint.load_latest#2": Example(
-        2, zero, ("fast/ckpt/checkpoint_2.dcp/ignite_zero.json", "shared/ckpt/checkpoint_3.pt")
+        2, zero, ("local/ckpt/checkpoint_2.dcp/ignite_zero.json", "shared/ckpt/checkpoint_3.pt")
     ),
     "ignite_zero.checkpoint.ModelCheckpoint": Example(0, plain, ("models/run_checkpoint_2.pt",)),
     "ignite_zero.latest.find_latest": Example(2, _saved(zero, "ckpt"), check=_found_the_saved_file),

@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -92,3 +94,57 @@ def test_a_host_lost_at_a_save(tmp_path: Path, free_port: int) -> None:
     model = tiny_model(seed=5)
     Checkpoint.load_objects({"model": model}, earlier)
     assert_state_equal(model.state_dict(), torch.load(earlier, weights_only=True)["model"])
+
+
+def test_replicas_on_node_local_disks(tmp_path: Path, free_port: int) -> None:
+    """Two hosts of one rank, then of two, then the survivor alone: replicated saves, resumes from whatever
+    survives, bad settings, and a host lost as its ranks enter a save."""
+    wait_for(start_hosts("replicated", tmp_path, nproc_per_node=1, port=free_port), timeout=180)
+    seen = _results(tmp_path, range(2))
+    fast, durable = tmp_path / "node-local" / "fast", tmp_path / "durable"
+    every_file = [".metadata", "__0_0.distcp", "__1_0.distcp", "ignite_zero.json"]
+
+    # each host holds its own files and the other's: every file, n_saved on each
+    assert [s["saved"] for s in seen] == [{"checkpoint_2.dcp": every_file, "checkpoint_3.dcp": every_file}] * 2
+    text = _same_error_on_every_rank([s["too many"] for s in seen], within=5)
+    assert "replicas=2" in text and "2 hosts" in text and "at most 1" in text, text
+    text = _same_error_on_every_rank([s["shared"] for s in seen], within=5)
+    assert "is shared by the hosts" in text and "`replicas=0`" in text and "Nothing was sealed" in text, text
+    assert [s["shared files"] for s in seen] == [[]] * 2
+    assert [s["async"] for s in seen] == [{"checkpoint_3.dcp": every_file}] * 2
+
+    # the second host replaced by an empty one: the newest of both tiers, its files fetched from the first host
+    assert {s["resumed"] for s in seen} == {str(fast / "checkpoint_3.dcp")}
+    assert seen[1]["repaired"] == {"checkpoint_3.dcp": every_file}
+    # a file lost on both hosts: skipped, naming it; the one before, on the first host alone, loads on both
+    assert {s["after loss"] for s in seen} == {str(fast / "checkpoint_2.dcp")}
+    assert any("checkpoint_3.dcp" in line and "['__1_0.distcp'] survive on no host" in line for line in seen[0]["log"])
+    assert seen[1]["fetched"]["checkpoint_2.dcp"] == every_file
+    assert [s["next"]["checkpoint_4.dcp"] for s in seen] == [every_file] * 2
+    assert sorted(os.listdir(durable)) == ["checkpoint_2.pt"]
+
+    # more ranks: two a host, the second host's disk emptied; then that host lost at a save
+    for entry in (tmp_path / "disk-1").iterdir():
+        shutil.rmtree(entry)
+    hosts = start_hosts("grown", tmp_path, port=free_port)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"at-save-{rank}").exists() for rank in (2, 3)):
+        assert time.monotonic() < deadline and hosts[1].process.poll() is None, hosts[1].output()
+        time.sleep(0.01)
+    hosts[1].kill()
+    wait_for(hosts[:1], timeout=60)
+    seen = _results(tmp_path, range(2))
+    assert {s["resumed"] for s in seen} == {str(fast / "checkpoint_4.dcp")}
+    four_ranks = [".metadata", *(f"__{rank}_0.distcp" for rank in range(4)), "ignite_zero.json"]
+    assert [s["saved"]["checkpoint_5.dcp"] for s in seen] == [four_ranks] * 2
+    sync_timeout = 5  # two rounds time out in turn: the save's own, and the one that shares its outcome
+    for kind, text, elapsed in (s["lost"] for s in seen):
+        assert kind == "CollectiveTimeoutError" and "waiting for ranks [2, 3]" in text, text
+        assert sync_timeout <= elapsed < 4 * sync_timeout, elapsed
+    assert [sorted(s["files"]) for s in seen] == [["checkpoint_4.dcp", "checkpoint_5.dcp"]] * 2
+
+    # the first host alone, two ranks: the checkpoint of four ranks, from its disk
+    for name in ("at-save-2", "at-save-3", "result-0.pkl", "result-1.pkl"):
+        (tmp_path / name).unlink()
+    wait_for(start_hosts("shrunk", tmp_path, nnodes=1, port=free_port), timeout=120)
+    assert [s["resumed"] for s in _results(tmp_path, range(2))] == [str(fast / "checkpoint_5.dcp")] * 2

@@ -1,0 +1,433 @@
+"""Sharded checkpoints on node-local disks, kept on several hosts: who keeps whose files, and moving files between
+hosts over the process group.
+
+A replicated :class:`~ignite_zero.ShardedSaver` (``replicas=k``) writes into a directory that has the same path on
+every host and different contents on each (a local NVMe under ``/local``, say). Each rank writes its files on its own
+host, and :func:`exchange` sends them to ``k`` ranks on ``k`` other hosts (:class:`Layout`: partners chosen by host
+name), which write them on theirs; every host's directory is then sealed with the same manifest. Before a load,
+:func:`repair` completes each host's copy of a checkpoint from the hosts that hold its files, whatever the format
+reads of them, and :func:`survival` tells :func:`~ignite_zero.find_latest` which of its files verify on a host.
+
+Files travel as raw bytes in chunks of :data:`CHUNK_BYTES`, checked on arrival against the size and CRC-32 that the
+writer recorded, and written through the :class:`~ignite_zero.storage.places.Place` of the receiving host.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import warnings
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from ignite_zero.agreement import rank_and_world, settle
+from ignite_zero.groups import cpu_group
+from ignite_zero.storage.formats.base import IntegrityError, crc32
+from ignite_zero.storage.formats.directory import MANIFEST, read_manifest
+from ignite_zero.storage.places import Place, split
+
+__all__ = [
+    "CHUNK_BYTES",
+    "Layout",
+    "Survival",
+    "Transfer",
+    "complete",
+    "exchange",
+    "layout_of",
+    "manifest_facts",
+    "survival",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Bytes of one message of a file. Each rank holds one chunk per file it sends and two per file it receives (one
+#: arriving, one being written); 16 MiB is where gloo over TCP stops gaining from larger messages (see transport).
+CHUNK_BYTES = 16 << 20
+# Chunks received and not yet written, per file: writing the previous chunk overlaps receiving the next.
+_QUEUED_CHUNKS = 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The hosts of the ranks of a save, and the ranks on other hosts that keep each rank's files.
+
+    Attributes:
+        members: the ranks of the save, sorted.
+        hosts: the host name of each member, in the same order.
+        replicas: copies of each rank's files on other hosts (0 on a single host).
+    """
+
+    members: tuple[int, ...]
+    hosts: tuple[str, ...]
+    replicas: int
+
+    @property
+    def host_names(self) -> list[str]:
+        """The hosts, sorted by name: the ring along which files are replicated."""
+        return sorted(set(self.hosts))
+
+    def host_of(self, rank: int) -> str:
+        return self.hosts[self.members.index(rank)]
+
+    def ranks_on(self, host: str) -> list[int]:
+        return [rank for rank, name in zip(self.members, self.hosts) if name == host]
+
+    def leader(self, rank: int) -> int:
+        """The rank that prepares, seals and removes the directory of ``rank``'s host: its host's first."""
+        return self.ranks_on(self.host_of(rank))[0]
+
+    def partners(self, rank: int) -> list[int]:
+        """The ranks that keep ``rank``'s files: on each of the next ``replicas`` hosts by name, the rank at the same
+        position among its host's ranks."""
+        names = self.host_names
+        host = self.host_of(rank)
+        position = self.ranks_on(host).index(rank)
+        start = names.index(host)
+        return [self.ranks_on(names[(start + step) % len(names)])[position] for step in range(1, self.replicas + 1)]
+
+    def kept_on(self, host: str) -> list[int]:
+        """The ranks whose files ``host``'s directory holds: its own, and those it keeps replicas of."""
+        return [rank for rank in self.members if self.host_of(rank) == host or self._partner_on(rank, host)]
+
+    def _partner_on(self, rank: int, host: str) -> bool:
+        return any(self.host_of(partner) == host for partner in self.partners(rank))
+
+
+def layout_of(members: Sequence[int], hosts: Sequence[str], replicas: int, dirname: Any) -> Layout:
+    """The layout of a save of ``replicas`` copies by ranks ``members`` on ``hosts``; the same on every rank, and so
+    are its errors.
+
+    Raises:
+        ValueError: ``replicas`` not below the number of hosts, or hosts with different numbers of ranks.
+    """
+    names = sorted(set(hosts))
+    if len(names) == 1:
+        warnings.warn(
+            f"ShardedSaver({str(dirname)!r}, replicas={replicas}): every rank runs on one host ({names[0]}), so each "
+            "checkpoint is kept once, on its disk. Replicas need ranks on several hosts.",
+            stacklevel=4,
+        )
+        return Layout(tuple(members), tuple(hosts), 0)
+    if replicas >= len(names):
+        raise ValueError(
+            f"ShardedSaver(replicas={replicas}) keeps every rank's files on {replicas} hosts besides its own, but the "
+            f"job runs on {len(names)} hosts ({', '.join(names)}). Pass `replicas` of at most {len(names) - 1}."
+        )
+    counts = {name: hosts.count(name) for name in names}
+    if len(set(counts.values())) > 1:
+        listing = ", ".join(f"{name}: {count}" for name, count in counts.items())
+        raise ValueError(
+            f"Hosts run different numbers of ranks ({listing}), and a replicated ShardedSaver pairs each rank with the "
+            "rank at the same position on other hosts. Run as many ranks on every host, or save to a directory that "
+            "every rank shares with `replicas=0`."
+        )
+    return Layout(tuple(members), tuple(hosts), replicas)
+
+
+def manifest_facts(layout: Layout) -> dict[str, Any]:
+    """What a replicated checkpoint's manifest says of its copies; its presence marks the checkpoint replicated."""
+    return {"replicas": layout.replicas, "hosts": layout.host_names}
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One file sent from one rank to another: its name, and the size and CRC-32 it must arrive with."""
+
+    source: int
+    target: int
+    name: str
+    size: int
+    crc: int
+
+
+def exchange(
+    transfers: Sequence[Transfer],
+    source: Place,
+    target: Place,
+    group: ProcessGroup | None,
+    timeout: float,
+    atomic: bool = False,
+) -> None:
+    """Collective among the ranks of ``transfers``: send the files this rank is the source of, read from
+    ``source``, and write those it is the target of into ``target``, each checked against its size and CRC-32.
+
+    Every rank steps through the chunks of its own transfers in the same order, posting all of one step's sends and
+    receives before waiting for any, so no pair of ranks waits on each other; a rank whose transfers end early
+    leaves. A file that cannot be read is sent as zeros, so that its receiver fails its check instead of waiting.
+
+    Args:
+        transfers: every transfer of the exchange, the same list on every rank.
+        source: where this rank reads the files it sends.
+        target: where it writes the files it receives.
+        group: a gloo group of the ranks; ``None`` for the default group.
+        timeout: seconds to wait for one step's messages.
+        atomic: write each file under a temporary name first (into a directory that is already committed).
+
+    Raises:
+        IntegrityError: a file arrived with another size or CRC-32 than expected.
+        OSError: a file could not be read or written here.
+    """
+    rank = dist.get_rank()
+    outgoing = sorted({(t.name, t.size) for t in transfers if t.source == rank})
+    incoming = sorted((t for t in transfers if t.target == rank), key=lambda t: (t.source, t.name))
+    targets = {name: sorted(t.target for t in transfers if t.source == rank and t.name == name) for name, _ in outgoing}
+    readers = {name: _Reading(source, name, size) for name, size in outgoing}
+    writers = [_Writing(target, transfer, atomic) for transfer in incoming]
+    steps = max((_chunks(size) for _, size in outgoing), default=0)
+    steps = max([steps, *(_chunks(t.size) for t in incoming)])
+    wait = timedelta(seconds=timeout)
+    try:
+        for step in range(steps):
+            works = []
+            for name, size in outgoing:
+                if step < _chunks(size):
+                    chunk = readers[name].chunk(step)
+                    works += [dist.isend(chunk, peer, group) for peer in targets[name]]
+            arrived = []
+            for writer in writers:
+                if step < _chunks(writer.transfer.size):
+                    buffer = torch.empty(_chunk_size(writer.transfer.size, step), dtype=torch.uint8)
+                    works.append(dist.irecv(buffer, writer.transfer.source, group))
+                    arrived.append((writer, buffer))
+            for work in works:
+                if work is not None:  # None: not in the group, which a transfer's ranks always are
+                    work.wait(wait)
+            for writer, buffer in arrived:
+                writer.put(buffer)
+    finally:
+        for writer in writers:
+            writer.finish()
+        for reading in readers.values():
+            reading.close()
+    errors = [reading.error for reading in readers.values() if reading.error is not None]
+    errors += [writer.error for writer in writers if writer.error is not None]
+    if errors:
+        raise errors[0]
+
+
+def _chunks(size: int) -> int:
+    return -(-size // CHUNK_BYTES)
+
+
+def _chunk_size(size: int, step: int) -> int:
+    return min(CHUNK_BYTES, size - step * CHUNK_BYTES)
+
+
+class _Reading:
+    """A file being sent, chunk by chunk; zeros in place of what cannot be read."""
+
+    def __init__(self, place: Place, name: str, size: int) -> None:
+        self.place, self.name, self.size = place, name, size
+        self.error: BaseException | None = None
+        self._file: IO[bytes] | None = None
+        try:
+            self._file = place.open(name)
+        except Exception as error:
+            self.error = error
+
+    def chunk(self, step: int) -> torch.Tensor:
+        buffer = torch.zeros(_chunk_size(self.size, step), dtype=torch.uint8)
+        if self._file is None or self.error is not None:
+            return buffer
+        try:
+            view = buffer.numpy().data
+            done = 0
+            while done < len(view):
+                read = self._file.readinto(view[done:])  # type: ignore[attr-defined]
+                if not read:
+                    raise IntegrityError(f"{self.place.location(self.name)} ends before its {self.size} bytes")
+                done += read
+        except Exception as error:
+            self.error = error
+            buffer.zero_()
+        return buffer
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+class _Writing:
+    """A file being received: a thread writes its chunks through the place while the next ones arrive, and checks
+    its size and CRC-32 at the end; a failed write drains the chunks still to come."""
+
+    def __init__(self, place: Place, transfer: Transfer, atomic: bool) -> None:
+        self.transfer = transfer
+        self.error: BaseException | None = None
+        self._place, self._atomic = place, atomic
+        self._chunks: queue.Queue[torch.Tensor | None] = queue.Queue(maxsize=_QUEUED_CHUNKS)
+        self._thread = threading.Thread(target=self._run, name="ignite_zero-replica", daemon=True)
+        self._thread.start()
+
+    def put(self, chunk: torch.Tensor) -> None:
+        self._chunks.put(chunk)
+
+    def finish(self) -> None:
+        self._chunks.put(None)
+        self._thread.join()
+
+    def _arriving(self) -> Iterator[torch.Tensor]:
+        while (chunk := self._chunks.get()) is not None:
+            yield chunk
+
+    def _run(self) -> None:
+        expected = self.transfer
+        sums = {"size": 0, "crc": 0}
+
+        def dump(stream: IO[bytes]) -> None:
+            for chunk in self._arriving():
+                data = chunk.numpy().data
+                stream.write(data)
+                sums["crc"] = crc32(data, sums["crc"])
+                sums["size"] += len(data)
+            if (sums["size"], sums["crc"]) != (expected.size, expected.crc):
+                raise IntegrityError(
+                    f"{self._place.location(expected.name)} from rank {expected.source} arrived with {sums['size']} "
+                    f"bytes and CRC-32 {sums['crc']:#010x}, {expected.size} bytes and {expected.crc:#010x} expected"
+                )
+
+        try:
+            self._place.write(expected.name, dump, atomic=self._atomic)
+        except Exception as error:
+            self.error = error
+            for _ in self._arriving():  # the sender goes on: take what it sends
+                pass
+
+
+@dataclass(frozen=True)
+class Survival:
+    """What one host holds of a replicated checkpoint: its manifest's checksum (the checkpoint's identity), the
+    files the manifest lists, and those present here with their listed size and CRC-32."""
+
+    identity: int
+    files: dict[str, tuple[int, int]]
+    good: frozenset[str]
+
+
+def survival(place: Place, name: str, verify: bool = True) -> Survival | None:
+    """What this host holds of the checkpoint ``name`` of ``place``, if it is a replicated one: every file present
+    checked against the manifest (sizes only, when not ``verify``); ``None`` when ``name`` is no replicated
+    checkpoint here (absent, uncommitted, or not replicated)."""
+    directory = place.child(name)
+    if not directory.is_whole(MANIFEST) or not directory.is_file(MANIFEST):
+        return None
+    manifest = read_manifest(directory)
+    if manifest is None or "replicas" not in manifest:
+        return None
+    files = {file: (int(record["size"]), int(record["crc32"])) for file, record in manifest["files"].items()}
+    present = directory.file_sizes()
+    good = []
+    for file, (size, crc) in files.items():
+        if present.get(file) != size:
+            continue
+        if verify and _crc_of(directory, file) != crc:
+            logger.warning("%s is corrupt: its CRC-32 differs from the manifest's", directory.location(file))
+            continue
+        good.append(file)
+    identity = zlib.crc32(json.dumps(files, sort_keys=True).encode())
+    return Survival(identity, files, frozenset(good))
+
+
+def _crc_of(place: Place, name: str) -> int:
+    value = 0
+    with place.open(name) as stream:
+        while chunk := stream.read(CHUNK_BYTES):
+            value = crc32(chunk, value)
+    return value
+
+
+def complete(where: str | os.PathLike, storage_options: Mapping[str, Any] | None, timeout: float) -> None:
+    """Collective, before a load of the checkpoint ``where``: if it is a replicated one, every host's first rank
+    fetches the files its host's directory lacks (all of them, for a host replaced by an empty one) from ranks whose
+    hosts hold them, checked against the manifest, so that the load then reads from its own host's directory alone.
+
+    A no-op for a checkpoint that is not replicated, or that lies where every host sees the same contents.
+
+    Raises:
+        IntegrityError: on every rank, when a file of the checkpoint survives on no host (naming the files), or the
+            hosts hold different checkpoints under its name.
+    """
+    parent, name, failure = None, "", None
+    try:
+        parent, name = split(where, storage_options)
+    except Exception as error:
+        failure = error
+    if parent is not None and parent.seen_alike_by_every_host:
+        return
+    rank, _ = rank_and_world()
+    held, manifest = None, None
+    try:
+        held = None if parent is None else survival(parent, name)  # a corrupt copy is fetched again
+        manifest = None if held is None or parent is None else parent.child(name).read(MANIFEST)
+    except Exception as error:
+        failure = error
+    reports = settle(
+        failure,
+        what=f"search for the parts of {where}",
+        timeout=timeout,
+        payload=(socket.gethostname(), held, manifest),
+    )
+    assert parent is not None
+    plan = _fetches(str(where), reports)
+    if plan is None:
+        return
+    transfers, raw = plan
+    committed = parent.child(name)
+    failure = None
+    try:
+        new = any(t.target == rank for t in transfers) and not committed.exists()  # a host replaced by an empty one
+        target = committed
+        if new:
+            parent.make()
+            target = parent.begin_directory(name)
+        exchange(transfers, committed, target, cpu_group(), timeout, atomic=not new)
+        if new:
+            parent.commit_directory(name, lambda written: written.write(MANIFEST, lambda f: f.write(raw)))
+    except Exception as error:
+        failure = error
+    settle(failure, what=f"fetch of the missing parts of {where}", timeout=timeout)
+    fetched = [t for t in transfers if t.target == rank]
+    if fetched:
+        logger.info("Fetched %d missing files of %s (%.1f MB)", len(fetched), where, sum(t.size for t in fetched) / 1e6)
+
+
+def _fetches(
+    where: str, reports: Sequence[tuple[str, Survival | None, bytes | None]]
+) -> tuple[list[Transfer], bytes] | None:
+    """What each host's first rank fetches, and from which rank, to hold every file of the checkpoint; ``None`` if
+    the checkpoint is no replicated one, or every host holds it whole. The same on every rank."""
+    held = {rank: survival for rank, (_, survival, _) in enumerate(reports) if survival is not None}
+    if not held:
+        return None
+    identities = {survival.identity for survival in held.values()}
+    if len(identities) > 1:
+        raise IntegrityError(
+            f"The hosts hold different checkpoints under the name {where}: their manifests differ. Remove the stale "
+            "copies (or load another checkpoint)."
+        )
+    files = next(iter(held.values())).files
+    raw = next(manifest for _, _, manifest in reports if manifest is not None)
+    hosts = [host for host, _, _ in reports]
+    leaders = sorted({hosts.index(host) for host in hosts})  # the first rank of each host
+    holders = {file: [rank for rank in leaders if rank in held and file in held[rank].good] for file in files}
+    lost = sorted(file for file, ranks in holders.items() if not ranks)
+    if lost:
+        raise IntegrityError(f"The checkpoint {where} cannot be loaded: its files {lost} survive on no host")
+    transfers = []
+    for leader in leaders:
+        have = held[leader].good if leader in held else frozenset()
+        for number, file in enumerate(sorted(set(files) - have)):
+            source = holders[file][number % len(holders[file])]  # spread over the hosts that hold it
+            transfers.append(Transfer(source, leader, file, *files[file]))
+    return (transfers, raw) if transfers else None

@@ -1,0 +1,39 @@
+"""Which ranks keep whose files in a replicated sharded save: partners chosen by host name, and the settings that
+cannot work, refused with the same error on every rank (a pure function of what the ranks told each other). The
+saves, loads and faults themselves run on simulated hosts: see test_hosts.py."""
+
+import pytest
+
+from ignite_zero import ShardedSaver
+from ignite_zero.storage.replicas import layout_of
+
+
+def test_partners_follow_the_host_names_not_the_ranks():
+    # ranks placed on hosts out of rank order: rank 0 on "c", ranks 1 and 4 on "a", ...
+    hosts = ["c", "a", "b", "c", "a", "b"]
+    layout = layout_of(range(6), hosts, 1, "ckpt")
+    assert layout.host_names == ["a", "b", "c"]
+    # the first rank of "a" (rank 1) is kept by the first rank of "b" (rank 2), which is kept by the first of "c"
+    assert [layout.partners(rank) for rank in range(6)] == [[1], [2], [0], [4], [5], [3]]
+    assert [layout.leader(rank) for rank in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert layout.kept_on("a") == [0, 1, 3, 4]  # its own ranks, and those of "c", the host before it
+    two = layout_of(range(6), hosts, 2, "ckpt")
+    assert two.partners(1) == [2, 0] and two.kept_on("a") == list(range(6))
+
+
+def test_bad_settings_name_the_problem_and_the_fix():
+    with pytest.raises(ValueError, match=r"replicas=2.*on 2 hosts \(a, b\).*at most 1"):
+        layout_of(range(4), ["a", "a", "b", "b"], 2, "ckpt")
+    with pytest.raises(ValueError, match=r"different numbers of ranks \(a: 2, b: 1\).*`replicas=0`"):
+        layout_of(range(3), ["a", "a", "b"], 1, "ckpt")
+
+
+def test_one_host_keeps_one_copy_with_a_warning():
+    with pytest.warns(UserWarning, match=r"every rank runs on one host \(a\), so each checkpoint is kept once"):
+        layout = layout_of(range(2), ["a", "a"], 1, "ckpt")
+    assert layout.replicas == 0 and layout.partners(1) == []
+
+
+def test_replicas_is_a_count(tmp_path):
+    with pytest.raises(ValueError, match=r"`replicas` should be a non-negative integer, got -1"):
+        ShardedSaver(tmp_path, replicas=-1)
