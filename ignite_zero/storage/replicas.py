@@ -197,9 +197,11 @@ def exchange(
             arrived = []
             for writer in writers:
                 if step < _chunks(writer.transfer.size):
-                    buffer = torch.empty(_chunk_size(writer.transfer.size, step), dtype=torch.uint8)
-                    works.append(dist.irecv(buffer, writer.transfer.source, group))
+                    buffer = writer.free_buffer(_chunk_size(writer.transfer.size, step))
+                    works.append(dist.irecv(buffer[1], writer.transfer.source, group))
                     arrived.append((writer, buffer))
+            for reading in readers.values():  # the next chunk is read while this one travels
+                reading.chunk(step + 1)
             for work in works:
                 if work is not None:  # None: not in the group, which a transfer's ranks always are
                     work.wait(wait)
@@ -225,21 +227,32 @@ def _chunk_size(size: int, step: int) -> int:
 
 
 class _Reading:
-    """A file being sent, chunk by chunk; zeros in place of what cannot be read."""
+    """A file being sent, chunk by chunk, each read while the one before travels; zeros in place of what cannot be
+    read."""
 
     def __init__(self, place: Place, name: str, size: int) -> None:
         self.place, self.name, self.size = place, name, size
         self.error: BaseException | None = None
         self._file: IO[bytes] | None = None
+        # two buffers, reused: one travels while the next chunk is read into the other (a fresh 16 MiB buffer would
+        # cost its page faults every time)
+        self._buffers = [torch.empty(min(size, CHUNK_BYTES), dtype=torch.uint8) for _ in range(2)]
+        self._read = -1  # the last chunk read
         try:
             self._file = place.open(name)
         except Exception as error:
             self.error = error
 
     def chunk(self, step: int) -> torch.Tensor:
-        buffer = torch.zeros(_chunk_size(self.size, step), dtype=torch.uint8)
-        if self._file is None or self.error is not None:
+        """The chunk ``step`` (read now unless it was read ahead); the one before it must have been sent."""
+        if step >= _chunks(self.size):
+            return self._buffers[0][:0]
+        buffer = self._buffers[step % 2][: _chunk_size(self.size, step)]
+        if step == self._read:
             return buffer
+        self._read = step
+        if self._file is None or self.error is not None:
+            return buffer.zero_()
         try:
             view = buffer.numpy().data
             done = 0
@@ -266,11 +279,22 @@ class _Writing:
         self.transfer = transfer
         self.error: BaseException | None = None
         self._place, self._atomic = place, atomic
-        self._chunks: queue.Queue[torch.Tensor | None] = queue.Queue(maxsize=_QUEUED_CHUNKS)
+        # (buffer, the part of it that holds a chunk)
+        self._chunks: queue.Queue[tuple[torch.Tensor, torch.Tensor] | None] = queue.Queue()
+        # buffers cycle between receiving and writing: one being received, the others queued or being written
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(_QUEUED_CHUNKS + 1):
+            self._free.put(torch.empty(min(transfer.size, CHUNK_BYTES), dtype=torch.uint8))
         self._thread = threading.Thread(target=self._run, name="ignite_zero-replica", daemon=True)
         self._thread.start()
 
-    def put(self, chunk: torch.Tensor) -> None:
+    def free_buffer(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A buffer to receive the next chunk of ``size`` bytes into, once the writer is done with it; and the part
+        of it that the chunk fills."""
+        buffer = self._free.get()
+        return buffer, buffer[:size]
+
+    def put(self, chunk: tuple[torch.Tensor, torch.Tensor]) -> None:
         self._chunks.put(chunk)
 
     def finish(self) -> None:
@@ -278,8 +302,10 @@ class _Writing:
         self._thread.join()
 
     def _arriving(self) -> Iterator[torch.Tensor]:
-        while (chunk := self._chunks.get()) is not None:
+        while (item := self._chunks.get()) is not None:
+            buffer, chunk = item
             yield chunk
+            self._free.put(buffer)
 
     def _run(self) -> None:
         expected = self.transfer
