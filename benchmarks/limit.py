@@ -255,6 +255,7 @@ def _rank(
         for name in paths[run % len(paths) :] + paths[: run % len(paths)]:
             engine.state.iteration += 1
             if rank == 0:
+                out.mkdir(parents=True, exist_ok=True)
                 if name in LOADS and cold:
                     _drop_cached(kept)
             dist.barrier()
