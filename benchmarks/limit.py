@@ -19,7 +19,8 @@ gloo ranks (CPU). Then every path runs once a round, in an order that rotates ea
 - ``consolidated``: ``Checkpoint(DiskSaver)``, gathered on rank 0;
 - ``torch full``: torch's own full-state path: FSDP2, ``get_state_dict(full_state_dict=True, cpu_offload=True)``
   then ``torch.save`` and ``fsync`` on rank 0; ZeRO, ``torch.save`` and ``fsync`` of the state consolidated beforehand;
-- ``read`` (floor of the loads): each rank reads its bytes back with ``readinto``, into its tensors;
+- ``read`` (floor of the loads): each rank reads the bytes it needs with ``readinto``, into its tensors (its shards;
+  ZeRO ranks also the whole model, which every rank holds);
 - ``dcp.load``: ``dcp.load`` of the ``dcp.save`` directory into the sharded state (FSDP2: then ``set_state_dict``);
 - ``sharded load`` and ``consolidated load``: ``Checkpoint.load_objects`` of a checkpoint written by ``sharded`` and
   by ``consolidated`` before the rounds.
@@ -166,6 +167,8 @@ class _Setup:
             optimizer_state = FSDPOptimizerState(self.model, self.optimizer, 0).sharded_state_dict()
             self.own = _tensors({"model": model_state, "optimizer": optimizer_state})
         self.own = [t.contiguous() for t in self.own]
+        # what a load reads: ZeRO ranks the whole model (every rank holds it) and their optimizer shard
+        self.needed = self.own if kind != "zero" else [*self.model.state_dict().values(), *_tensors(shard)]
         self.own_bytes = sum(t.numel() * t.element_size() for t in self.own)
         total = torch.tensor([self.own_bytes], dtype=torch.int64)
         dist.all_reduce(total)
@@ -231,7 +234,7 @@ def _rank(
     kept_consolidated = checkpoint(DiskSaver(kept / "consolidated", require_empty=False))
     kept_consolidated(engine)
     dcp.save(setup.dcp_state(), checkpoint_id=kept / "dcp")
-    _write_raw(kept / f"raw{rank}", setup.own, setup.own_bytes)
+    _write_raw(kept / f"raw{rank}", setup.needed, sum(t.numel() * t.element_size() for t in setup.needed))
     sharded_path, consolidated_path = kept_sharded.last_checkpoint, kept_consolidated.last_checkpoint
     assert sharded_path is not None and consolidated_path is not None
 
@@ -245,7 +248,7 @@ def _rank(
         "write whole": lambda: _write_raw(fresh("whole"), setup.own, setup.total_bytes) if rank == 0 else None,
         "consolidated": lambda: consolidated(engine),
         "torch full": lambda: setup.torch_full(rank, fresh("full.pt")),
-        "read": lambda: _read_raw(kept / f"raw{rank}", setup.own),
+        "read": lambda: _read_raw(kept / f"raw{rank}", setup.needed),
         "dcp.load": lambda: setup.dcp_load(kept / "dcp"),
         "sharded load": lambda: Checkpoint.load_objects(setup.objects, sharded_path),
         "consolidated load": lambda: Checkpoint.load_objects(setup.objects, consolidated_path),
