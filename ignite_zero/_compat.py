@@ -613,3 +613,20 @@ def storage_alignment() -> int:
 def storage_archive_version() -> bytes:
     """The content of the ``version`` record that ``torch.save`` writes (``b"3\\n"`` with torch 2.11 to 2.14)."""
     return b"3\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# DCP's file layout, written by ignite_zero.storage.formats.dcp_files.
+
+__all__ += ["DCP_VERSION", "dcp_storage_info"]
+
+#: The version ``FileSystemWriter`` records in ``.metadata`` (torch 2.11 to 2.14).
+DCP_VERSION = "1.0.0"
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """Where an entry lies, as ``.metadata`` records it for DCP's readers: the private ``_StorageInfo`` of its
+    file system writer (torch 2.11 to 2.14), which plain ``dcp.load`` and ``dcp_to_torch_save`` unpickle."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)

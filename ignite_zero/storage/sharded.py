@@ -380,19 +380,22 @@ class ShardedSaver(DirectorySaver):
         started: float,
     ) -> None:
         """Collective: every rank's files to the writing rank, which seals the directory and puts it in place."""
-        files = settle(
+        reports = settle(
             failure,
             what=f"sharded save of {filename}",
             timeout=timeout,
-            payload=dict(writer.written),
+            payload=(dict(writer.written), dict(writer.records)),
             stream=stream,
             ranks=ranks,
         )
         if not self.is_writer:
             return
+        files = [written for written, _ in reports]
         self._check_every_part_is_there(partial, filename, files, round_members(ranks))
         listed = {name: record for rank_files in files for name, record in rank_files.items()}
-        sharded.seal(partial, listed, world_size=len(files), torch=torch.__version__, ignite_zero=package_version())
+        records = {name: entries for _, rank_records in reports for name, entries in rank_records.items()}
+        facts = {"world_size": len(files), "torch": torch.__version__, "ignite_zero": package_version()}
+        sharded.seal(partial, listed, records, **facts)
         if self.place.remote:
             partial.remove(sharded.UNCOMMITTED, recursive=False)  # committed by the manifest already: only tidies
         else:
