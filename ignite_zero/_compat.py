@@ -30,9 +30,7 @@ __all__ = [
     "serialization_crc32",
     "DcpFsspecReader",
     "DcpFsspecWriter",
-    "dcp_file_system",
     "storage_offset_in_file",
-    "set_dcp_file_system",
     "sharded_optimizer_kind",
     "zero_awaits_ddp",
 ]
@@ -156,26 +154,6 @@ def storage_offset_in_file(storage: torch.UntypedStorage) -> int:
             "checkpoint files in parts from an object store with this torch; use the versions it was tested with"
         )
     return int(offset)
-
-
-def dcp_file_system(writer: Any) -> Any:
-    """The file system DCP's ``FileSystemWriter`` (or ``FsspecWriter``) writes through.
-
-    The writer keeps it in the attribute ``fs`` (torch 2.11 to 2.14) and offers no argument for it.
-    """
-    if not hasattr(writer, "fs"):
-        raise RuntimeError(
-            f"torch {torch.__version__}'s FileSystemWriter keeps no `fs`: ignite_zero cannot checksum sharded saves "
-            "with this torch; use the versions it was tested with (see README, Compatibility)"
-        )
-    return writer.fs
-
-
-def set_dcp_file_system(writer: Any, file_system: Any) -> None:
-    """Make DCP's writer write through ``file_system`` (one that checksums what passes): see
-    :func:`dcp_file_system`."""
-    dcp_file_system(writer)
-    writer.fs = file_system
 
 
 def dcp_entry_path(metadata: Any, name: str) -> tuple[Any, ...]:
