@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import queue
 import socket
@@ -200,7 +201,7 @@ def exchange(
                     buffer = writer.free_buffer(_chunk_size(writer.transfer.size, step))
                     works.append(dist.irecv(buffer[1], writer.transfer.source, group))
                     arrived.append((writer, buffer))
-            for reading in readers.values():  # the next chunk is read while this one travels
+            for reading in readers.values():  # the next chunk is read (if it is read) while this one travels
                 reading.chunk(step + 1)
             for work in works:
                 if work is not None:  # None: not in the group, which a transfer's ranks always are
@@ -227,26 +228,33 @@ def _chunk_size(size: int, step: int) -> int:
 
 
 class _Reading:
-    """A file being sent, chunk by chunk, each read while the one before travels; zeros in place of what cannot be
-    read."""
+    """A file being sent, chunk by chunk: straight from its pages where the place maps files, else each chunk read
+    while the one before travels; zeros in place of what cannot be read."""
 
     def __init__(self, place: Place, name: str, size: int) -> None:
         self.place, self.name, self.size = place, name, size
         self.error: BaseException | None = None
         self._file: IO[bytes] | None = None
-        # two buffers, reused: one travels while the next chunk is read into the other (a fresh 16 MiB buffer would
-        # cost its page faults every time)
-        self._buffers = [torch.empty(min(size, CHUNK_BYTES), dtype=torch.uint8) for _ in range(2)]
+        self._mapped: torch.Tensor | None = None
+        # else two buffers, reused: one travels while the next chunk is read into the other (a fresh 16 MiB buffer
+        # would cost its page faults every time)
+        self._buffers: list[torch.Tensor] = []
         self._read = -1  # the last chunk read
         try:
             self._file = place.open(name)
+            if place.maps_files and size:
+                self._mapped = _mapped(self._file, size)
         except Exception as error:
             self.error = error
+        if self._mapped is None:
+            self._buffers = [torch.empty(min(size, CHUNK_BYTES), dtype=torch.uint8) for _ in range(2)]
 
     def chunk(self, step: int) -> torch.Tensor:
         """The chunk ``step`` (read now unless it was read ahead); the one before it must have been sent."""
         if step >= _chunks(self.size):
-            return self._buffers[0][:0]
+            return torch.empty(0, dtype=torch.uint8)
+        if self._mapped is not None:  # sent from the page cache: a copy of every byte fewer (0.11 s of 0.53 s)
+            return self._mapped[step * CHUNK_BYTES : step * CHUNK_BYTES + _chunk_size(self.size, step)]
         buffer = self._buffers[step % 2][: _chunk_size(self.size, step)]
         if step == self._read:
             return buffer
@@ -267,8 +275,19 @@ class _Reading:
         return buffer
 
     def close(self) -> None:
+        self._mapped = None
         if self._file is not None:
             self._file.close()
+
+
+def _mapped(file: IO[bytes], size: int) -> torch.Tensor:
+    """The ``size`` bytes of ``file``, mapped read-only, as a tensor that gloo sends from."""
+    pages = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    if len(pages) != size:
+        raise IntegrityError(f"{getattr(file, 'name', file)} has {len(pages)} bytes, {size} expected")
+    with warnings.catch_warnings():  # only read: sends never write into it
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(pages, dtype=torch.uint8)
 
 
 class _Writing:

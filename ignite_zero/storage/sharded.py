@@ -75,10 +75,11 @@ class ShardedSaver(DirectorySaver):
     by one with an empty disk, a job on other hosts or on fewer) first fetches them from the hosts that hold them,
     over the process group, so the load works on any number of ranks, from what survives;
     :func:`~ignite_zero.find_latest` takes the newest checkpoint whose every file verifies on at least one host. It
-    costs ``k`` more copies of every byte on the disks and over the network: measured on 2 hosts of one rank
-    (tmpfs, loopback), a save with ``replicas=1`` takes about 1.6-2x an unreplicated one. ``replicas`` must be below
-    the number of hosts, and every host must run as many ranks; on a single host a warning says that each
-    checkpoint is kept once. A directory that the hosts share is refused: use ``replicas=0`` there.
+    costs ``k`` more copies of every byte on the disks and over the network: on 2 hosts of one rank (300 MB of
+    ZeRO state, tmpfs, loopback, ``benchmarks/replicas.py``), a save with ``replicas=1`` took a median 2.8-3.4x an
+    unreplicated one (0.3-0.5 s), a replaced host's recovery 2.2-3.7x a load from a shared directory. ``replicas``
+    must be below the number of hosts, and every host must run as many ranks; on a single host a warning says that
+    each checkpoint is kept once. A directory that the hosts share is refused: use ``replicas=0`` there.
 
     Args:
         dirname: directory in which checkpoint directories are written: a path, or an fsspec URL
