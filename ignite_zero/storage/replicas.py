@@ -35,7 +35,7 @@ from torch.distributed import ProcessGroup
 from ignite_zero.agreement import rank_and_world, settle
 from ignite_zero.groups import cpu_group
 from ignite_zero.storage.formats.base import IntegrityError, crc32
-from ignite_zero.storage.formats.directory import MANIFEST, read_manifest
+from ignite_zero.storage.formats.directory import MANIFEST, file_crc, read_manifest
 from ignite_zero.storage.places import Place, split
 
 __all__ = [
@@ -376,20 +376,12 @@ def survival(place: Place, name: str, verify: bool = True) -> Survival | None:
     for file, (size, crc) in files.items():
         if present.get(file) != size:
             continue
-        if verify and _crc_of(directory, file) != crc:
+        if verify and file_crc(directory, file) != crc:
             logger.warning("%s is corrupt: its CRC-32 differs from the manifest's", directory.location(file))
             continue
         good.append(file)
     identity = zlib.crc32(json.dumps(files, sort_keys=True).encode())
     return Survival(identity, files, frozenset(good))
-
-
-def _crc_of(place: Place, name: str) -> int:
-    value = 0
-    with place.open(name) as stream:
-        while chunk := stream.read(CHUNK_BYTES):
-            value = crc32(chunk, value)
-    return value
 
 
 def complete(where: str | os.PathLike, storage_options: Mapping[str, Any] | None, timeout: float) -> None:

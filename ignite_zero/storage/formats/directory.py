@@ -52,6 +52,7 @@ __all__ = [
     "DirectoryWriter",
     "DirectoryReader",
     "check_committed",
+    "file_crc",
     "is_committed",
     "is_sharded_checkpoint",
     "writer_for",
@@ -191,7 +192,7 @@ def verify(where: str | os.PathLike | Place) -> dict[str, Any] | None:
         size = place.size(name)
         if size != expected["size"]:
             raise IntegrityError(f"{place}: file {name} has {size} bytes, {expected['size']} expected (truncated?)")
-        crc = _file_crc(place, name)
+        crc = file_crc(place, name)
         if crc != expected["crc32"]:
             raise IntegrityError(
                 f"{place}: file {name} is corrupt (CRC-32 {crc:#010x}, {expected['crc32']:#010x} expected)"
@@ -229,7 +230,8 @@ def _check_listing(place: Place, manifest: Mapping[str, Any]) -> None:
         raise IntegrityError(f"{place}: files {unlisted} are not in its manifest")
 
 
-def _file_crc(place: Place, name: str) -> int:
+def file_crc(place: Place, name: str) -> int:
+    """The CRC-32 of the file ``name`` of ``place``, read in chunks."""
     crc = 0
     with place.open(name) as f:
         while chunk := f.read(_READ_CHUNK):
