@@ -143,6 +143,13 @@ class ShardedSaver(DirectorySaver):
             return self._layout.leader(rank_and_world()[0]) == rank_and_world()[0]
         return super().is_writer
 
+    def remove(self, filename: str) -> None:
+        """Remove the checkpoint ``filename``; with replicas, every host's copy, and quietly where a host never held
+        it (one replaced, or added, since it was saved)."""
+        if self._layout is not None and self.is_writer and filename not in self.place.entries():
+            return
+        super().remove(filename)
+
     def list(self) -> list[str]:
         """Names of the complete checkpoints: on an object store, those sealed by their manifest."""
         return [name for name in super().list() if self.place.child(name).is_whole(sharded.MANIFEST)]
