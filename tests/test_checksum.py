@@ -64,7 +64,7 @@ def test_archive_and_file_checksums_are_zlibs(tmp_path):
     for record in archive.records:
         assert record.crc == zlib.crc32(written[record.offset : record.offset + record.size])
     (tmp_path / "file").write_bytes(written)
-    assert sharded._file_crc(LocalPlace(tmp_path), "file") == zlib.crc32(written)
+    assert sharded.file_crc(LocalPlace(tmp_path), "file") == zlib.crc32(written)
 
 
 def _sealed(state, **facts):

@@ -403,20 +403,19 @@ def complete(where: str | os.PathLike, storage_options: Mapping[str, Any] | None
     if parent is not None and parent.seen_alike_by_every_host:
         return
     rank, _ = rank_and_world()
-    held, manifest = None, None
-    try:
-        held = None if parent is None else survival(parent, name)  # a corrupt copy is fetched again
-        manifest = None if held is None or parent is None else parent.child(name).read(MANIFEST)
-    except Exception as error:
-        failure = error
-    reports = settle(
-        failure,
-        what=f"search for the parts of {where}",
-        timeout=timeout,
-        payload=(socket.gethostname(), held, manifest),
-    )
+    hosts = settle(failure, what=f"search for the parts of {where}", timeout=timeout, payload=socket.gethostname())
     assert parent is not None
-    plan = _fetches(str(where), reports)
+    held, manifest, failure = None, None, None
+    if hosts.index(hosts[rank]) == rank:  # the first rank of each host reads for its host
+        try:
+            held = survival(parent, name)  # a corrupt copy is fetched again
+            manifest = None if held is None else parent.child(name).read(MANIFEST)
+        except Exception as error:
+            failure = error
+    reports = settle(
+        failure, what=f"search for the parts of {where} (holdings)", timeout=timeout, payload=(held, manifest)
+    )
+    plan = _fetches(str(where), hosts, reports)
     if plan is None:
         return
     transfers, raw = plan
@@ -440,11 +439,11 @@ def complete(where: str | os.PathLike, storage_options: Mapping[str, Any] | None
 
 
 def _fetches(
-    where: str, reports: Sequence[tuple[str, Survival | None, bytes | None]]
+    where: str, hosts: Sequence[str], reports: Sequence[tuple[Survival | None, bytes | None]]
 ) -> tuple[list[Transfer], bytes] | None:
     """What each host's first rank fetches, and from which rank, to hold every file of the checkpoint; ``None`` if
     the checkpoint is no replicated one, or every host holds it whole. The same on every rank."""
-    held = {rank: survival for rank, (_, survival, _) in enumerate(reports) if survival is not None}
+    held = {rank: survival for rank, (survival, _) in enumerate(reports) if survival is not None}
     if not held:
         return None
     identities = {survival.identity for survival in held.values()}
@@ -454,8 +453,7 @@ def _fetches(
             "copies (or load another checkpoint)."
         )
     files = next(iter(held.values())).files
-    raw = next(manifest for _, _, manifest in reports if manifest is not None)
-    hosts = [host for host, _, _ in reports]
+    raw = next(manifest for _, manifest in reports if manifest is not None)
     leaders = sorted({hosts.index(host) for host in hosts})  # the first rank of each host
     holders = {file: [rank for rank in leaders if rank in held and file in held[rank].good] for file in files}
     lost = sorted(file for file, ranks in holders.items() if not ranks)
