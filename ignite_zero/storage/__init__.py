@@ -7,6 +7,8 @@ checkpoint formats (:mod:`ignite_zero.storage.formats`).
 ``directory``      what the local savers share: the directory, the writing rank, names, retention
 ``files``          :class:`DiskSaver`: one durable file per checkpoint
 ``sharded``        :class:`ShardedSaver`: a DCP directory that every rank writes its part of
+``replicas``       a sharded directory on node-local disks, kept on several hosts: who keeps whose files, moving
+                   them between hosts, completing a host's copy before a load
 ``handler``        :class:`HandlerSaver`: any other ignite handler, called as ignite calls it
 ``formats``        the checkpoint formats, one module each: how each is written, verified, listed and read
 ``places``         where checkpoints live (a local directory or an object store's prefix), and how a write is
