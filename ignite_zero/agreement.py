@@ -73,6 +73,9 @@ class _Channel:
     rank: int
     world_size: int
     rounds: dict[str, int] = field(default_factory=dict)
+    # ranks that never came to a round that timed out, each with that round's stream and key: while a rank has still
+    # not posted there, a later round of the same stream gives up on it at once rather than after a timeout of its own
+    lost: dict[int, tuple[str, str]] = field(default_factory=dict)
 
 
 # One channel per default process group: a group destroyed and created again starts counting afresh.
@@ -144,13 +147,19 @@ def agree(
         store.set(f"{key}/p{rank}", pickle.dumps((what, payload)))  # type: ignore[arg-type]  # bytes work too
         store.add(f"{key}/n", 1)
         try:
-            _wait_for_all(store, key, rank, members, what, timeout)
+            lost = {r: at for r, (where, at) in channel.lost.items() if where == stream}
+            _wait_for_all(store, key, rank, members, what, timeout, lost)
         except CollectiveTimeoutError as error:
             arrived = [r for r in members if store.check([f"{key}/p{r}"])]
             error.posted = {r: pickle.loads(store.get(f"{key}/p{r}"))[1] for r in arrived}
+            for r in members:
+                if r not in arrived:
+                    channel.lost.setdefault(r, (stream, key))
             _leave_together(store, f"{key}/gave_up", rank, arrived, timeout)  # every rank that came learns it
             raise
         posted = [pickle.loads(raw) for raw in store.multi_get([f"{key}/p{r}" for r in members])]
+        for r in members:  # they came: none of them is lost any more
+            channel.lost.pop(r, None)
         _forget(store, f"{_PREFIX}{stream}/{number - 1}", rank, members)
         _leave_together(store, f"{key}/done", rank, members, timeout)
     except dist.DistError as error:  # the store itself is gone (DistNetworkError, DistStoreError)
@@ -253,7 +262,9 @@ def settle(
     return [value for _, value in posted]
 
 
-def _wait_for_all(store: dist.Store, key: str, rank: int, members: list[int], what: str, timeout: float) -> None:
+def _wait_for_all(
+    store: dist.Store, key: str, rank: int, members: list[int], what: str, timeout: float, lost: dict[int, str]
+) -> None:
     state_key = f"{key}/state"
     deadline = time.monotonic() + timeout
     pause = 0.0005
@@ -262,39 +273,53 @@ def _wait_for_all(store: dist.Store, key: str, rank: int, members: list[int], wh
             state = store.get(state_key)
             if state == _GO:
                 return
-            raise _timeout_error(rank, pickle.loads(state[len(_ABORT) :]), members, what, timeout)
+            missing, gone = pickle.loads(state[len(_ABORT) :])
+            raise _timeout_error(rank, missing, gone, members, what, timeout)
         if store.add(f"{key}/n", 0) >= len(members):
             if store.compare_set(state_key, "", _GO) == _GO:  # type: ignore[arg-type]
                 return
             continue
         now = time.monotonic()
-        if now >= deadline:
+        # A host lost in the middle of a save: its ranks missed the save's round, and the round that shares the
+        # outcome gives up on them at once instead of timing out a second time.
+        gone = bool(lost) and _only_lost_are_missing(store, key, members, lost)
+        if now >= deadline or gone:
             missing = [r for r in members if not store.check([f"{key}/p{r}"])]
             silent_for = min(_silence(store, r) for r in missing) if missing else timeout
-            if silent_for < timeout:
+            if silent_for < timeout and not gone:
                 # A missing rank is alive and still busy (e.g. writing the file): keep waiting for it.
                 deadline = now + timeout - silent_for
                 continue
-            if store.compare_set(state_key, "", _ABORT + pickle.dumps(missing)) == _GO:  # type: ignore[arg-type]
+            abort = _ABORT + pickle.dumps((missing, gone))
+            if store.compare_set(state_key, "", abort) == _GO:  # type: ignore[arg-type]
                 return
-            raise _timeout_error(rank, missing, members, what, timeout)
+            raise _timeout_error(rank, missing, gone, members, what, timeout)
         time.sleep(pause)
         pause = min(pause * 2, _longest_pause(len(members)))
 
 
+def _only_lost_are_missing(store: dist.Store, key: str, members: list[int], lost: dict[int, str]) -> bool:
+    """Whether every rank missing from the round ``key`` missed an earlier round too and has not come to it since."""
+    missing = [r for r in members if not store.check([f"{key}/p{r}"])]
+    return bool(missing) and all(r in lost and not store.check([f"{lost[r]}/p{r}"]) for r in missing)
+
+
 def _timeout_error(
-    rank: int, missing: list[int], members: list[int], what: str, timeout: float
+    rank: int, missing: list[int], gone: bool, members: list[int], what: str, timeout: float
 ) -> CollectiveTimeoutError:
-    """The same explanation on every rank that gave up, or that arrived after the others gave up."""
+    """The same explanation on every rank that gave up, or that arrived after the others gave up; ``gone``: the
+    missing ranks had missed an earlier round, and the others gave up on them at once."""
+    after = "at once (they missed an earlier round too)" if gone else f"after {timeout:g} s"
     if rank in missing:
         return CollectiveTimeoutError(
-            f"The other ranks gave up waiting for ranks {missing} (this one among them) at the {what} after "
-            f"{timeout:g} s, and raised an error. Call it on every rank at the same point of the program; raise "
-            "`sync_timeout` if a rank is legitimately slower."
+            f"The other ranks gave up waiting for ranks {missing} (this one among them) at the {what} {after}, and "
+            "raised an error. Call it on every rank at the same point of the program; raise `sync_timeout` if a rank "
+            "is legitimately slower."
         )
     arrived = [r for r in members if r not in missing]
+    timed_out = "Gave up at once, as they missed an earlier round too," if gone else f"Timed out after {timeout:g} s"
     return CollectiveTimeoutError(
-        f"Timed out after {timeout:g} s waiting for ranks {missing} at the {what} (ranks {arrived} arrived): they "
+        f"{timed_out} waiting for ranks {missing} at the {what} (ranks {arrived} arrived): they "
         "died (a lost host, say), hang, or never call it. It must be called on every rank of the process group: "
         "attach checkpoint handlers on all ranks, never under `if rank == ...`. Raise `sync_timeout` if a rank is "
         "legitimately slower."

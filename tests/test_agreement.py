@@ -97,3 +97,29 @@ def test_without_process_group_agreement_is_immediate_and_errors_are_raised_as_t
     failure = OSError("no space")
     with pytest.raises(OSError, match="no space"):
         settle(failure, what="checkpoint save", timeout=1)
+
+
+def _a_rank_lost(rank, world_size):
+    """Rank 2 never comes (a lost host): the round of the same stream after the one that timed out gives up on it at
+    once; a round of another stream waits for it as ever."""
+    outcomes = []
+    if rank < 2:
+        for what in ("checkpoint save", "checkpoint save (outcome)"):
+            started = time.monotonic()
+            try:
+                agree(None, what=what, timeout=1.0, stream="lost")
+            except CollectiveTimeoutError as error:
+                outcomes.append((str(error), time.monotonic() - started))
+    dist.barrier()
+    if rank == 2:
+        time.sleep(0.5)  # late, but alive: the others wait for it
+    return outcomes, agree(rank, what="next", timeout=10.0)
+
+
+def test_a_rank_that_missed_a_round_is_given_up_on_at_once_by_the_next_round_of_its_stream():
+    for outcomes, payloads in run_ranks(_a_rank_lost, 3)[:2]:
+        (first, first_elapsed), (second, second_elapsed) = outcomes
+        assert "Timed out after 1 s waiting for ranks [2]" in first and 1.0 <= first_elapsed < 3.0
+        assert "Gave up at once, as they missed an earlier round too, waiting for ranks [2]" in second, second
+        assert second_elapsed < 0.5
+        assert payloads == [0, 1, 2]

@@ -137,10 +137,10 @@ def test_replicas_on_node_local_disks(tmp_path: Path, free_port: int) -> None:
     assert {s["resumed"] for s in seen} == {str(fast / "checkpoint_4.dcp")}
     four_ranks = [".metadata", *(f"__{rank}_0.distcp" for rank in range(4)), "ignite_zero.json"]
     assert [s["saved"]["checkpoint_5.dcp"] for s in seen] == [four_ranks] * 2
-    sync_timeout = 5  # two rounds time out in turn: the save's own, and the one that shares its outcome
+    sync_timeout = 5
     for kind, text, elapsed in (s["lost"] for s in seen):
         assert kind == "CollectiveTimeoutError" and "waiting for ranks [2, 3]" in text, text
-        assert sync_timeout <= elapsed < 4 * sync_timeout, elapsed
+        assert sync_timeout <= elapsed < 2 * sync_timeout, elapsed  # the round after the save gives up at once
     assert [sorted(s["files"]) for s in seen] == [["checkpoint_4.dcp", "checkpoint_5.dcp"]] * 2
 
     # the first host alone, two ranks: the checkpoint of four ranks, from its disk
