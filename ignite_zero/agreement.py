@@ -280,9 +280,9 @@ def _wait_for_all(
                 return
             continue
         now = time.monotonic()
-        # A host lost in the middle of a save: its ranks missed the save's round, and the round that shares the
-        # outcome gives up on them at once instead of timing out a second time.
-        gone = bool(lost) and _only_lost_are_missing(store, key, members, lost)
+        # A host lost in the middle of a save: a rank of it missed the save's round, and the round that shares the
+        # outcome gives up at once instead of timing out a second time.
+        gone = bool(lost) and _a_lost_rank_is_missing(store, key, members, lost)
         if now >= deadline or gone:
             missing = [r for r in members if not store.check([f"{key}/p{r}"])]
             silent_for = min(_silence(store, r) for r in missing) if missing else timeout
@@ -298,18 +298,18 @@ def _wait_for_all(
         pause = min(pause * 2, _longest_pause(len(members)))
 
 
-def _only_lost_are_missing(store: dist.Store, key: str, members: list[int], lost: dict[int, str]) -> bool:
-    """Whether every rank missing from the round ``key`` missed an earlier round too and has not come to it since."""
-    missing = [r for r in members if not store.check([f"{key}/p{r}"])]
-    return bool(missing) and all(r in lost and not store.check([f"{lost[r]}/p{r}"]) for r in missing)
+def _a_lost_rank_is_missing(store: dist.Store, key: str, members: list[int], lost: dict[int, str]) -> bool:
+    """Whether a rank missing from the round ``key`` missed an earlier round of its stream and has not come to it
+    since: it cannot come to this one before that one, which ended without it, so the round cannot succeed."""
+    return any(r in lost and not store.check([f"{key}/p{r}"]) and not store.check([f"{lost[r]}/p{r}"]) for r in members)
 
 
 def _timeout_error(
     rank: int, missing: list[int], gone: bool, members: list[int], what: str, timeout: float
 ) -> CollectiveTimeoutError:
-    """The same explanation on every rank that gave up, or that arrived after the others gave up; ``gone``: the
-    missing ranks had missed an earlier round, and the others gave up on them at once."""
-    after = "at once (they missed an earlier round too)" if gone else f"after {timeout:g} s"
+    """The same explanation on every rank that gave up, or that arrived after the others gave up; ``gone``: one of
+    the missing ranks had missed an earlier round, and the others gave up at once."""
+    after = "at once (one missed an earlier round too)" if gone else f"after {timeout:g} s"
     if rank in missing:
         return CollectiveTimeoutError(
             f"The other ranks gave up waiting for ranks {missing} (this one among them) at the {what} {after}, and "
@@ -317,7 +317,7 @@ def _timeout_error(
             "is legitimately slower."
         )
     arrived = [r for r in members if r not in missing]
-    timed_out = "Gave up at once, as they missed an earlier round too," if gone else f"Timed out after {timeout:g} s"
+    timed_out = "Gave up at once (one missed an earlier round too)" if gone else f"Timed out after {timeout:g} s"
     return CollectiveTimeoutError(
         f"{timed_out} waiting for ranks {missing} at the {what} (ranks {arrived} arrived): they "
         "died (a lost host, say), hang, or never call it. It must be called on every rank of the process group: "

@@ -1,5 +1,6 @@
 """Agreement rounds among real ranks: payloads, missing and late ranks, liveness, a usable group after errors."""
 
+import re
 import time
 
 import pytest
@@ -119,7 +120,8 @@ def _a_rank_lost(rank, world_size):
 def test_a_rank_that_missed_a_round_is_given_up_on_at_once_by_the_next_round_of_its_stream():
     for outcomes, payloads in run_ranks(_a_rank_lost, 3)[:2]:
         (first, first_elapsed), (second, second_elapsed) = outcomes
-        assert "Timed out after 1 s waiting for ranks [2]" in first and 1.0 <= first_elapsed < 3.0
-        assert "Gave up at once, as they missed an earlier round too, waiting for ranks [2]" in second, second
+        assert "Timed out after 1 s waiting for ranks [2]" in first and 0.5 <= first_elapsed < 3.0  # from the first
+        # rank 2 among the missing, and the other of ranks 0 and 1 too if it was not there yet when one gave up
+        assert "at once (one missed an earlier round too)" in second and re.search(r"ranks \[(\d, )?2\]", second)
         assert second_elapsed < 0.5
         assert payloads == [0, 1, 2]
