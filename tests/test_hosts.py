@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import time
 from pathlib import Path
@@ -139,7 +140,8 @@ def test_replicas_on_node_local_disks(tmp_path: Path, free_port: int) -> None:
     assert [s["saved"]["checkpoint_5.dcp"] for s in seen] == [four_ranks] * 2
     sync_timeout = 5
     for kind, text, elapsed in (s["lost"] for s in seen):
-        assert kind == "CollectiveTimeoutError" and "waiting for ranks [2, 3]" in text, text
+        # the ranks of the lost host that had not come to the round where the others gave up: both, or one of them
+        assert kind == "CollectiveTimeoutError" and re.search(r"waiting for ranks \[(2|3|2, 3)\]", text), text
         assert sync_timeout <= elapsed < 2 * sync_timeout, elapsed  # the round after the save gives up at once
     assert [sorted(s["files"]) for s in seen] == [["checkpoint_4.dcp", "checkpoint_5.dcp"]] * 2
 
