@@ -58,7 +58,7 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
     Differences from ignite's ``DiskSaver``, deliberate: the file and its directory are flushed to disk
     before the rename; new files get mode ``0o666 & ~umask`` (ignite adds group and world read); file names
     that would escape ``dirname`` are rejected; every file carries an integrity trailer
-    (:mod:`ignite_zero.storage.formats.file`); removing a file that is already gone logs a warning instead of raising.
+    (``ignite_zero.storage.formats.file``); removing a file that is already gone logs a warning instead of raising.
 
     Examples:
         .. code-block:: python
