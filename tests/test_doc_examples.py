@@ -47,6 +47,7 @@ import torch.distributed as dist
 from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
 from ignite.engine import Engine, Events
 from launcher import run_ranks
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
@@ -323,6 +324,11 @@ def _bf16_weights(namespace: dict[str, Any], rank: int) -> None:
         torch.testing.assert_close(tensor, expected[name].to(torch.bfloat16))
 
 
+def _exported_bf16(namespace: dict[str, Any], rank: int) -> None:
+    assert namespace["files"] == [Path("hf/model/model.safetensors")]
+    _bf16_weights({**namespace, "weights": load_file(namespace["files"][0])}, rank)
+
+
 def _full_on_recipient(namespace: dict[str, Any], rank: int) -> None:
     assert ("state" in namespace["full"]) == (rank == 0), namespace["full"].keys()
 
@@ -400,6 +406,9 @@ EXAMPLES: dict[str, Example] = {
     "docs/zero.rst: Consolidation": Example(2, zero, check=_global_zero_state),
     "docs/object-storage.rst: Object storage": Example(
         2, object_store, check=_in_the_bucket("run/checkpoint_2.pt", "sharded")
+    ),
+    "docs/export-and-cli.rst: Export and the command line": Example(
+        0, _saved(plain, "ckpt"), ("hf/model/model.safetensors",), _exported_bf16
     ),
     "docs/long-runs.rst: Resume from the newest valid checkpoint": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
     "docs/long-runs.rst: Saving on a signal": Example(0, with_checkpoint, check=_not_stopped),

@@ -186,11 +186,15 @@ def test_slurm_example_saves_on_usr1_stops_with_the_requeue_status_and_resumes(t
         ]
 
     started = tasks(epochs=1000)
-    for line in started[0].stdout:  # rank 0 trains: then the signal, to the other task
-        if line.startswith("epoch 1:"):
-            started[1].send_signal(signal.SIGUSR1)
-            break
-    outputs = [started[0].communicate(timeout=120)[0], started[1].communicate(timeout=120)[0]]
+    try:
+        for line in started[0].stdout:  # rank 0 trains: then the signal, to the other task
+            if line.startswith("epoch 1:"):
+                started[1].send_signal(signal.SIGUSR1)
+                break
+        outputs = [started[0].communicate(timeout=120)[0], started[1].communicate(timeout=120)[0]]
+    finally:  # a signal that stopped nothing leaves 1000 epochs to run
+        for task in started:
+            task.kill()
     assert [task.returncode for task in started] == [3, 3], outputs
     saved = re.search(r"stopped by a signal: saved (\S+) at iteration (\d+), epoch (\d+)", outputs[0])
     assert saved and Path(saved[1]).name == f"checkpoint_{saved[2]}.pt", outputs[0]
