@@ -40,7 +40,6 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 __all__ = [
     "Measurement",
     "ZeROParameters",
-    "arguments",
     "each_configuration",
     "fsdp2_adam_after_one_step",
     "interleaved",
@@ -238,13 +237,6 @@ def parser(description: str, params: list[float], paths: Sequence[str] = ()) -> 
     if paths:
         parser.add_argument("--paths", nargs="+", choices=paths, default=list(paths), help="what to measure")
     return parser
-
-
-def arguments(
-    description: str, params: list[float], argv: list[str] | None, paths: Sequence[str] = ()
-) -> argparse.Namespace:
-    """The parsed command line of :func:`parser`."""
-    return parser(description, params, paths).parse_args(argv)
 
 
 def each_configuration(
