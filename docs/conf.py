@@ -19,6 +19,8 @@ extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode"
 exclude_patterns = ["_build"]
 html_theme = "furo"
 html_title = f"ignite_zero {release}"
+# literal blocks (``::``) are tables and logs: no Python colouring of words such as min and max
+highlight_language = "none"
 
 # ignite's docstring style: Google sections, types in the signature and nowhere else
 napoleon_google_docstring = True
