@@ -85,7 +85,7 @@ def write_chart(path: str | Path, title: str, panels: Sequence[Panel]) -> None:
             xs = [g + (index - (len(paths) - 1) / 2) * width for g, _ in where]
             heights = [panel.bars[group][name] for _, group in where]
             bars = axis.bar(xs, heights, width, label=name, color=colours[name])
-            axis.bar_label(bars, fmt="%.2g", fontsize=7, padding=1)  # a bar of 0 shows as a label, not as nothing
+            axis.bar_label(bars, fmt="%.3g", fontsize=7, padding=1)  # a bar of 0 shows as a label, not as nothing
             spreads = [panel.spread.get(group, {}).get(name) for _, group in where]
             if any(spreads):
                 low = [h - s[0] if s else 0 for h, s in zip(heights, spreads)]

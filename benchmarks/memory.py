@@ -300,7 +300,7 @@ def _chart(results: dict[str, list[dict[str, Any]]]) -> list[Panel]:
             values["other"][group] = {path: other / MiB for path, (_, other, _) in measured.items()}
     return [
         Panel("seconds, slowest rank", "seconds (log scale)", values["seconds"], log=True),
-        Panel(f"growth of the recipient (rank {RECIPIENT}; ignite's writer)", "MiB", values["recipient"]),
+        Panel("growth of the rank that writes (ignite_zero's recipient, ignite's writer)", "MiB", values["recipient"]),
         Panel("growth of the worst other rank", "MiB", values["other"]),
     ]
 
