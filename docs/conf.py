@@ -34,14 +34,10 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(torch|ignite|fsspec|numpy|collections|typing|pathlib|os|datetime|enum|abc|io)(\..*)?"),
     (r"py:.*", r"(Any|Path|Callable|Mapping|Sequence|Iterable|Iterator|Literal|Self|TypeGuard|NoneType)"),
 ]
-# Types that public signatures name but that are not public themselves: the storage protocols behind the savers.
-nitpick_ignore = [
-    ("py:class", name)
-    for name in (
-        "ignite_zero.storage.base.Saver",
-        "ignite_zero.storage.places.Place",
-        "ignite_zero.storage.formats.file.Stored",
-    )
+# Types that public signatures and docstrings name but that are not public themselves: the storage protocols
+# behind the savers, and their methods.
+nitpick_ignore_regex += [
+    (r"py:.*", r"ignite_zero\.storage\.(base\.Saver|places\.Place|formats\.file\.Stored)(\..*)?"),
 ]
 
 
