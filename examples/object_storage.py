@@ -81,8 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nproc-per-node", type=int, default=2, help="processes to start")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--start-method", default="spawn", help="how idist.Parallel starts processes")
+    parser.add_argument("--master-port", type=int, help="a free port for the ranks to meet at (default: ignite's 2222)")
     args = parser.parse_args(argv)
-    with idist.Parallel(backend=args.backend, nproc_per_node=args.nproc_per_node, start_method=args.start_method) as p:
+    spawn = {"nproc_per_node": args.nproc_per_node, "master_port": args.master_port, "start_method": args.start_method}
+    with idist.Parallel(backend=args.backend, **spawn) as p:
         p.run(train, {"url": args.url, "epochs": args.epochs})
 
 

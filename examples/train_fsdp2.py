@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-dir", default=None, help="checkpoint directory (default: a temporary one)")
     parser.add_argument("--export-dir", default=None, help="where the safetensors go (default: OUTPUT_DIR-export)")
     parser.add_argument("--start-method", default="spawn", help="how idist.Parallel starts processes")
+    parser.add_argument("--master-port", type=int, help="a free port for the ranks to meet at (default: ignite's 2222)")
     args = parser.parse_args(argv)
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="ignite_zero-fsdp2-")
     config = {"epochs": args.epochs, "output_dir": output_dir, "export_dir": args.export_dir or f"{output_dir}-export"}
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         with idist.Parallel(backend=args.backend) as parallel:
             parallel.run(train, config)
         return
-    with idist.Parallel(backend=args.backend, nproc_per_node=args.nproc_per_node, start_method=args.start_method) as p:
+    spawn = {"nproc_per_node": args.nproc_per_node, "master_port": args.master_port, "start_method": args.start_method}
+    with idist.Parallel(backend=args.backend, **spawn) as p:
         p.run(train, config)
 
 

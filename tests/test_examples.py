@@ -66,7 +66,7 @@ def _finish(*processes: subprocess.Popen, timeout: float = 240) -> list[str]:
     return outputs
 
 
-def test_fsdp2_example_resumes_and_exports_the_last_checkpoint(tmp_path):
+def test_fsdp2_example_resumes_and_exports_the_last_checkpoint(tmp_path, free_port):
     """Two runs: the second resumes from the first's checkpoint; each exports its last one as safetensors, equal to
     the model in the checkpoint."""
     script = str(EXAMPLES / "train_fsdp2.py")
@@ -204,10 +204,10 @@ def test_slurm_example_saves_on_usr1_stops_with_the_requeue_status_and_resumes(t
     assert f"epoch {int(saved[3]) + 1}: loss" in resumed[0] and "stopped by a signal" not in resumed[0]
 
 
-def test_object_storage_example_saves_and_loads_both_modes(tmp_path, bucket):
+def test_object_storage_example_saves_and_loads_both_modes(bucket, free_port):
     """Against moto's S3 server on 127.0.0.1, named by ``AWS_ENDPOINT_URL`` in the environment, as the script
     expects of any store."""
     script = str(EXAMPLES / "object_storage.py")
-    (output,) = _finish(_example(script, f"{bucket}/run", "--start-method", "fork"))
+    (output,) = _finish(_example(script, f"{bucket}/run", "--start-method", "fork", "--master-port", str(free_port)))
     for mode, name in (("consolidated", "checkpoint_16.pt"), ("sharded", "checkpoint_16.dcp")):
         assert f"[2 ranks] {mode}: saved and loaded {bucket}/run/{mode}/{name}; state restored: True" in output
