@@ -105,7 +105,9 @@ def _newest_valid(place: Place, prefix: str) -> tuple[Any, str] | None:
             reader = readers[name]
             if reader.identity() is None:
                 raise IntegrityError(f"{location} is no longer there")
-            reader.verify(whole=False)
+            # every byte where the files are at hand; on an object store, what a load checks before it reads (each
+            # part is checked as a rank reads it), not a download of every checkpoint
+            reader.verify(whole=place.maps_files)
         except (IntegrityError, OSError, ValueError) as error:
             logger.warning("Skipping checkpoint %s: %s", location, error)
             continue
