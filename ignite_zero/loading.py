@@ -9,13 +9,14 @@ agreement (:func:`ignite_zero.agreement.settle`):
 
 1. Every rank says whether it sees the file (and which: size and integrity trailer), and what part of each
    sharded entry it needs (:meth:`ShardedState.part_needed`).
-2. Ranks that see the file open it with ``mmap``, so ranks of one host share its pages instead of holding
-   one private copy each; one rank per host verifies its integrity. The first rank that sees it sends every
-   rank that does not (a private or node-local directory) only the part it asked for. Every rank then
-   checks its entries, and nothing is loaded anywhere unless every check passed.
-3. Every rank restores its objects, and learns whether all others did. From an object store, FSDP objects read
-   their parts of the file here, as they copy them in (:mod:`ignite_zero.deferred`): one tensor's part at a time
-   in memory, and a read that fails leaves them partly restored, with the same error on every rank.
+2. Ranks that see the file read its structure, checked, and each reads the records it loads whole (plain
+   objects, its partition of a ZeRO optimizer) straight into new tensors, each checked as it arrives. The first
+   rank that sees it, where some rank does not (a private or node-local directory), verifies it whole, maps it
+   with ``mmap`` and sends every rank that does not see it only the part it asked for. Every rank then checks its
+   entries, and nothing is loaded anywhere unless every check passed.
+3. Every rank restores its objects, and learns whether all others did. FSDP objects read their parts of the file
+   here, straight into their shards where the layouts allow (:mod:`ignite_zero.deferred`), each block checked as
+   it arrives: a corrupt block leaves them partly restored, with the same error on every rank.
 
 With plain objects only, or without a process group, loading is local, as in ignite.
 """
@@ -103,6 +104,9 @@ def _restore(
     try:
         if reader is None:
             entries = entries_of(objects, checkpoint)
+        elif identity is not None and _serves(rank, seers, world_size):  # reads for others: all of it, mapped
+            reader.verify(whole=True)
+            entries = entries_of(objects, reader.load(weights_only))
         elif identity is not None:
             if _verifies(rank, reports, seers):
                 reader.verify(whole=False)
@@ -153,6 +157,11 @@ def _verifies(rank: int, reports: list[_Report], seers: list[int]) -> bool:
     """One rank per host checks the whole file: the others read the same pages."""
     host = reports[rank][0]
     return rank == next(r for r in seers if reports[r][0] == host)
+
+
+def _serves(rank: int, seers: list[int], world_size: int) -> bool:
+    """Whether this rank reads the checkpoint for ranks that cannot see it (see :func:`_distribute`)."""
+    return len(seers) < world_size and rank == seers[0]
 
 
 def _distribute(entries: Any, needs: list[Any], seers: list[int]) -> Any:

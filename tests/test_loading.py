@@ -1,5 +1,5 @@
-"""Loading on any number of ranks with bounded memory: every rank that sees the file maps it, the first one sends
-the others only their part, and ranks that see different files, or none, fail together."""
+"""Loading on any number of ranks with bounded memory: every rank that sees the file reads its part of it, the first
+one maps it and sends the others only their part, and ranks that see different files, or none, fail together."""
 
 import ctypes
 import os
@@ -81,9 +81,9 @@ def test_ranks_that_cannot_see_the_file_get_their_part_from_one_that_can(tmp_pat
     for rank, (_, model_state, iteration, received, owned) in enumerate(results):
         assert_state_equal(model_state, saved["model"])
         assert iteration == 3
-        if rank in seeing:  # the whole entry, mapped from the file
+        if rank == seeing[0]:  # the whole entry, mapped from the file, which it reads for the others
             assert received == list(range(6))
-        else:  # only the state of the parameters it owns travelled
+        else:  # only the state of the parameters it owns: read from the file, or sent by the first that sees it
             assert received == list(owned) and len(owned) < 6
 
 
