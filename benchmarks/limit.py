@@ -19,7 +19,8 @@ gloo ranks (CPU). Then every path runs once a round, in an order that rotates ea
 - ``consolidated``: ``Checkpoint(DiskSaver)``, gathered on rank 0;
 - ``torch full``: torch's own full-state path: FSDP2, ``get_state_dict(full_state_dict=True, cpu_offload=True)``
   then ``torch.save`` and ``fsync`` on rank 0; ZeRO, ``torch.save`` and ``fsync`` of the state consolidated beforehand;
-- ``read`` (floor of the loads): each rank reads its bytes back with ``readinto``, into its tensors;
+- ``read`` (floor of the loads): each rank reads the bytes it needs with ``readinto``, into its tensors (its shards;
+  ZeRO ranks also the whole model, which every rank holds);
 - ``dcp.load``: ``dcp.load`` of the ``dcp.save`` directory into the sharded state (FSDP2: then ``set_state_dict``);
 - ``sharded load`` and ``consolidated load``: ``Checkpoint.load_objects`` of a checkpoint written by ``sharded`` and
   by ``consolidated`` before the rounds.
@@ -30,12 +31,17 @@ the page cache before it (``posix_fadvise``). A path's time in a round is its wo
 every rank's does); the table gives the median of those, and each path's median [min-max] of its per-round ratios
 to its floor (and to the path it must beat). The last line holds the median x-floor ratios of every configuration.
 ``--plot PATH`` draws seconds per path against its floor (needs matplotlib: ``pip install -e '.[benchmarks]'``).
+``--profile N`` runs each path once after a warm-up, under cProfile on every rank, and prints the N functions that
+took the most time of their own, instead of the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import shutil
 import statistics
 import time
@@ -166,6 +172,8 @@ class _Setup:
             optimizer_state = FSDPOptimizerState(self.model, self.optimizer, 0).sharded_state_dict()
             self.own = _tensors({"model": model_state, "optimizer": optimizer_state})
         self.own = [t.contiguous() for t in self.own]
+        # what a load reads: ZeRO ranks the whole model (every rank holds it) and their optimizer shard
+        self.needed = self.own if kind != "zero" else [*self.model.state_dict().values(), *_tensors(shard)]
         self.own_bytes = sum(t.numel() * t.element_size() for t in self.own)
         total = torch.tensor([self.own_bytes], dtype=torch.int64)
         dist.all_reduce(total)
@@ -212,8 +220,10 @@ def _rank(
     directory: Path,
     paths: tuple[str, ...],
     cold: bool,
-) -> Times:
-    """Every path of ``paths`` in interleaved rounds; ``cold``: loads read from the disk, not the page cache."""
+    profile: int,
+) -> Times | dict[str, str]:
+    """Every path of ``paths`` in interleaved rounds; ``cold``: loads read from the disk, not the page cache.
+    ``profile``: each path once after a warm-up instead, under cProfile: its ``profile`` costliest functions."""
     setup = _Setup(kind, layers, width, rank, world_size)
     out, kept = directory / "out", directory / "kept"
     engine = Engine(lambda e, b: None)
@@ -231,7 +241,7 @@ def _rank(
     kept_consolidated = checkpoint(DiskSaver(kept / "consolidated", require_empty=False))
     kept_consolidated(engine)
     dcp.save(setup.dcp_state(), checkpoint_id=kept / "dcp")
-    _write_raw(kept / f"raw{rank}", setup.own, setup.own_bytes)
+    _write_raw(kept / f"raw{rank}", setup.needed, sum(t.numel() * t.element_size() for t in setup.needed))
     sharded_path, consolidated_path = kept_sharded.last_checkpoint, kept_consolidated.last_checkpoint
     assert sharded_path is not None and consolidated_path is not None
 
@@ -245,28 +255,48 @@ def _rank(
         "write whole": lambda: _write_raw(fresh("whole"), setup.own, setup.total_bytes) if rank == 0 else None,
         "consolidated": lambda: consolidated(engine),
         "torch full": lambda: setup.torch_full(rank, fresh("full.pt")),
-        "read": lambda: _read_raw(kept / f"raw{rank}", setup.own),
+        "read": lambda: _read_raw(kept / f"raw{rank}", setup.needed),
         "dcp.load": lambda: setup.dcp_load(kept / "dcp"),
         "sharded load": lambda: Checkpoint.load_objects(setup.objects, sharded_path),
         "consolidated load": lambda: Checkpoint.load_objects(setup.objects, consolidated_path),
     }
+
+    def run(name: str, profiler: cProfile.Profile | None = None) -> float:
+        engine.state.iteration += 1
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            if name in LOADS and cold:
+                _drop_cached(kept)
+        dist.barrier()
+        if profiler is not None:
+            profiler.enable()
+        started = time.perf_counter()
+        operations[name]()
+        elapsed = time.perf_counter() - started
+        if profiler is not None:
+            profiler.disable()
+        dist.barrier()
+        if rank == 0:  # no path pays for removing what an earlier one wrote
+            _empty(out, keep={sharded_saver, consolidated_saver})
+        dist.barrier()
+        return elapsed
+
+    if profile:
+        profiles = {}
+        for name in paths:
+            run(name)
+            profiler = cProfile.Profile()
+            elapsed = run(name, profiler)
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(profile)
+            profiles[name] = f"{elapsed:.3f} s\n" + text.getvalue().split("\n\n", 1)[-1].strip()
+        return profiles
     times: Times = {path: [] for path in paths}
-    for run in range(runs + 1):  # the first round warms up caches, allocators and connections
-        for name in paths[run % len(paths) :] + paths[: run % len(paths)]:
-            engine.state.iteration += 1
-            if rank == 0:
-                if name in LOADS and cold:
-                    _drop_cached(kept)
-            dist.barrier()
-            started = time.perf_counter()
-            operations[name]()
-            elapsed = time.perf_counter() - started
-            dist.barrier()
-            if run:
+    for round_ in range(runs + 1):  # the first round warms up caches, allocators and connections
+        for name in paths[round_ % len(paths) :] + paths[: round_ % len(paths)]:
+            elapsed = run(name)
+            if round_:
                 times[name].append(elapsed)
-            if rank == 0:  # no path pays for removing what an earlier one wrote
-                _empty(out, keep={sharded_saver, consolidated_saver})
-            dist.barrier()
     return times
 
 
@@ -358,6 +388,13 @@ def main(argv: list[str] | None = None) -> None:
     options.add_argument("--runs", type=int, default=4, help="measured rounds after the warm-up round")
     options.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="what to measure")
     options.add_argument("--plot", type=Path, default=None, help="write a PNG of the results there")
+    options.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: each path once under cProfile, its N costliest functions on every rank",
+    )
     args = options.parse_args(argv)
     paths = tuple(path for path in PATHS if path in args.paths)  # the table's order, whatever the command line's
     results: Results = {}
@@ -369,13 +406,20 @@ def main(argv: list[str] | None = None) -> None:
                 shutil.rmtree(directory, ignore_errors=True)
                 directory.mkdir(parents=True)
                 key = (kind, target if len(args.world_sizes) == 1 else f"{target}, {world_size} ranks")
+                arguments = (kind, args.layers, args.width, args.runs, directory, paths, target == "disk", args.profile)
                 try:
-                    results[key] = launch(
-                        _rank, world_size, kind, args.layers, args.width, args.runs, directory, paths, target == "disk"
-                    )
+                    ranks = launch(_rank, world_size, *arguments)
                 finally:
                     shutil.rmtree(directory, ignore_errors=True)
+                if args.profile:
+                    for name in paths:
+                        for rank, profiles in enumerate(ranks):
+                            print(f"{key[0]}, {key[1]}, {name}, rank {rank}: {profiles[name]}\n", flush=True)
+                    continue
+                results[key] = ranks
                 print(f"{key[0]}, {key[1]}:\n{_table({key: results[key]})}\n", flush=True)
+    if args.profile:
+        return
     print(_table(results))
     if args.plot is not None:
         _plot(results, args.plot)

@@ -563,3 +563,53 @@ def fairscale_release_full_params(unit: Any) -> None:
     default), so that the next forward gathers the shards a load wrote into; a no-op when it keeps none."""
     if unit.has_full_params:
         unit._free_full_params()
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.save's archive, written by ignite_zero.storage.formats.torch_zip: what its pickler records of a storage.
+
+__all__ += ["SavedStorage", "saved_storage", "storage_alignment", "storage_archive_version"]
+
+
+@dataclass(frozen=True)
+class SavedStorage:
+    """What ``torch.save`` records of a storage that the pickled object refers to.
+
+    Attributes:
+        storage: its bytes (an untyped storage).
+        identity: the same for every reference to the same storage.
+        storage_type: the legacy class the loader rebuilds it as (``torch.FloatStorage``...).
+        numel: its size in elements of ``storage_type``.
+        location: its device as ``torch.load``'s ``map_location`` names it (``"cpu"``, ``"cuda:0"``).
+    """
+
+    storage: torch.UntypedStorage
+    identity: int
+    storage_type: Any
+    numel: int
+    location: str
+
+
+def saved_storage(obj: Any) -> SavedStorage | None:
+    """What ``torch.save``'s pickler records for ``obj`` when it is a storage (``None`` otherwise): the typed
+    storages that tensors reduce to carry their dtype's legacy storage class and size in private attributes
+    (``_untyped_storage``, ``_pickle_storage_type``, ``_size``), and storages are told apart by ``_cdata`` (torch
+    2.11 to 2.14)."""
+    if isinstance(obj, torch.storage.TypedStorage):
+        storage = obj._untyped_storage
+        storage_type, numel = getattr(torch, obj._pickle_storage_type()), obj._size()
+    elif isinstance(obj, torch.UntypedStorage):
+        storage, storage_type, numel = obj, torch.UntypedStorage, obj.nbytes()
+    else:
+        return None
+    return SavedStorage(storage, storage._cdata, storage_type, numel, torch.serialization.location_tag(storage))
+
+
+def storage_alignment() -> int:
+    """The alignment of the records' data in an archive ``torch.save`` writes (64 unless configured otherwise)."""
+    return int(torch.serialization._get_storage_alignment())
+
+
+def storage_archive_version() -> bytes:
+    """The content of the ``version`` record that ``torch.save`` writes (``b"3\\n"`` with torch 2.11 to 2.14)."""
+    return b"3\n"
