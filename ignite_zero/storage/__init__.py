@@ -9,7 +9,8 @@ checkpoint formats (:mod:`ignite_zero.storage.formats`).
 ``sharded``        :class:`ShardedSaver`: a DCP directory that every rank writes its part of
 ``handler``        :class:`HandlerSaver`: any other ignite handler, called as ignite calls it
 ``formats``        the checkpoint formats, one module each: how each is written, verified, listed and read
-``places``         where checkpoints live: a local directory or an object store's prefix
+``places``         where checkpoints live (a local directory or an object store's prefix), and how a write is
+                   committed there
 =================  ===================================================================================
 """
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ from ignite_zero.storage.base import Saver
 from ignite_zero.storage.places import Place, place_of
 
 __all__ = [
-    "TEMPORARY",
     "DirectorySaver",
     "check_room",
     "package_version",
@@ -29,9 +27,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# Temporary files and directories are hidden and never end in ".pt" or ".dcp": nothing takes them for checkpoints.
-TEMPORARY = re.compile(r"^\..+\.ignite_zero-[0-9a-z]+\.tmp$")
 
 
 class DirectorySaver(Saver):
@@ -133,7 +128,7 @@ class DirectorySaver(Saver):
         The live writer of this directory is this rank alone.
         """
         entries = self.place.entries()
-        for name in [name for name in entries if TEMPORARY.match(name)]:
+        for name in self.place.leftovers(entries):
             self.place.remove(name)
             del entries[name]
             logger.warning("Removed %s, left by an interrupted save", self.place.location(name))

@@ -2,17 +2,28 @@
 fsspec URL (``s3://bucket/run``, ``gs://...``, ``memory://...``).
 
 A :class:`Place` offers what the savers and readers need and nothing more: list, open for ranged reads, remove, and
-:meth:`Place.write`, which makes a new file appear whole or not at all. On a local file system that is a temporary
-file, flushed to disk and renamed, then the directory flushed. An object store has no rename and nothing to flush.
-On S3 the upload itself commits: an object appears once its upload completes (one ``PUT``, or a multipart upload's
-completion). Elsewhere the new object is uploaded under a hidden temporary key, copied to its name on the server,
-and the temporary key removed. What a killed process left is removed by the next save.
+the two ways of committing a write, which it alone knows how to make:
+
+- :meth:`Place.write` makes a new file appear whole or not at all. On a local file system that is a temporary file,
+  flushed to disk and renamed, then the directory flushed. An object store has no rename and nothing to flush. On S3
+  the upload itself commits: an object appears once its upload completes (one ``PUT``, or a multipart upload's
+  completion). Elsewhere the new object is uploaded under a hidden temporary key, copied to its name on the server,
+  and the temporary key removed.
+- :meth:`Place.begin_directory` and :meth:`Place.commit_directory` make a new directory, written by many processes,
+  appear whole or not at all. Locally it is written under a hidden temporary name, flushed and renamed into place.
+  A prefix of an object store cannot be renamed: its files are written in place, beside a mark that says the
+  directory is unfinished, and it is whole once its seal (a file written last) is there; :meth:`Place.is_whole`
+  asks that.
+
+What a killed process left, :meth:`Place.leftovers` names, and the next save removes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
+import errno
 import os
 import re
 import shutil
@@ -28,6 +39,7 @@ __all__ = [
     "RemotePlace",
     "StorageError",
     "StoredFile",
+    "TEMPORARY",
     "fsync_path",
     "is_url",
     "place_of",
@@ -54,6 +66,14 @@ def is_url(place: str | Path) -> bool:
     return bool(_SCHEME.match(text)) and not text.startswith("file://")
 
 
+#: Names of temporary files and directories: hidden, and never ending in ".pt" or ".dcp", so that nothing takes them
+#: for checkpoints.
+TEMPORARY = re.compile(r"^\..+\.ignite_zero-[0-9a-z]+\.tmp$")
+# On an object store, where a new directory is written in place: the mark of one not yet whole, which tells the next
+# save that the prefix is an interrupted write of ours (and not another tool's directory).
+_UNFINISHED = ".ignite_zero-uncommitted"
+
+
 def temporary_name(name: str) -> str:
     """The hidden name a new file is written under before it takes the name ``name``."""
     return f".{name}.ignite_zero-{uuid.uuid4().hex[:12]}.tmp"
@@ -63,14 +83,15 @@ class Place(ABC):
     """A directory of checkpoints.
 
     Attributes:
-        remote: whether it is behind an fsspec URL rather than on a local file system.
         seen_alike_by_every_host: whether every host sees the same contents here (an object store), so that one
             rank reading it serves them all; a local path may be a different directory on each host.
+        maps_files: whether its files can be mapped into memory (``torch.load(mmap=True)``), so that a read takes
+            only the pages it touches and the ranks of a host share them; else files are read by ranges.
         storage_options: the options of its file system (for a URL), ``None`` for a local path.
     """
 
-    remote = False
     seen_alike_by_every_host = False
+    maps_files = False
     storage_options: dict[str, Any] | None = None
 
     @abstractmethod
@@ -138,6 +159,41 @@ class Place(ABC):
                 place (for file systems without rename); an object store's upload is atomic either way.
         """
 
+    @abstractmethod
+    def writing_directory(self, name: str) -> Place:
+        """Where the files of the new directory ``name`` are written, with ``write(..., atomic=False)``, from
+        :meth:`begin_directory` until :meth:`commit_directory` makes it ``name``, whole. Any process may ask."""
+
+    @abstractmethod
+    def begin_directory(self, name: str) -> Place:
+        """Start the new directory ``name`` (by the one process that commits it); return
+        :meth:`writing_directory`.
+
+        On a constant name, the directory that has the name until then stays readable on a local file system, where
+        the commit exchanges the two; an object store cannot replace a prefix at once, and removes it here.
+        """
+
+    @abstractmethod
+    def commit_directory(self, name: str, seal: Callable[[Place], object]) -> None:
+        """Make the directory begun with :meth:`begin_directory`, every file of it written, appear as ``name``,
+        whole.
+
+        Args:
+            name: the directory's name.
+            seal: writes the directory's last file into the place it is given, atomically (a manifest): on an object
+                store, that file's existence is what makes the directory whole.
+        """
+
+    @abstractmethod
+    def is_whole(self, seal: str) -> bool:
+        """Whether this directory, if written through :meth:`begin_directory`, was committed: locally any directory
+        is, since it takes its name only once whole; on an object store, one whose ``seal`` is there."""
+
+    def leftovers(self, entries: Mapping[str, bool]) -> list[str]:
+        """The names among ``entries`` (a listing of this place) that interrupted writes left: temporary files and
+        directories, and on an object store directories begun and never committed."""
+        return [name for name in entries if TEMPORARY.match(name)]
+
     def free_space(self) -> int | None:
         """Bytes free for new files, ``None`` where the storage cannot tell (object stores)."""
         return None
@@ -150,6 +206,8 @@ class Place(ABC):
 
 class LocalPlace(Place):
     """A local (or mounted, shared) directory."""
+
+    maps_files = True
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -225,8 +283,56 @@ class LocalPlace(Place):
             raise
         fsync_path(self.path)
 
+    def writing_directory(self, name: str) -> LocalPlace:
+        return self.child(f".{name}.ignite_zero-partial.tmp")
+
+    def begin_directory(self, name: str) -> LocalPlace:
+        written = self.writing_directory(name)
+        written.make()
+        return written
+
+    def commit_directory(self, name: str, seal: Callable[[Place], object]) -> None:
+        written = self.writing_directory(name)
+        seal(written)
+        fsync_path(written.path)
+        _install_directory(written.path, self.path / name)
+        fsync_path(self.path)
+
+    def is_whole(self, seal: str) -> bool:
+        return self.exists()
+
     def free_space(self) -> int:
         return shutil.disk_usage(self.path).free
+
+
+def _install_directory(source: Path, target: Path) -> None:
+    """Put the directory ``source`` at ``target``, replacing a previous ``target`` atomically where Linux can."""
+    if not target.exists():
+        os.replace(source, target)
+        return
+    if _exchange(source, target):  # target now holds the new directory, source the old one
+        shutil.rmtree(source)
+        return
+    # Without an atomic exchange: the old directory steps aside under a temporary name first.
+    aside = target.with_name(f".{target.name}.ignite_zero-old.tmp")
+    os.replace(target, aside)
+    os.replace(source, target)
+    shutil.rmtree(aside)
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where that is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EXDEV):
+        return False
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(second))
 
 
 def _dump_durably(dump: Callable[[IO[bytes]], object], f: IO[bytes]) -> None:
@@ -254,7 +360,6 @@ class RemotePlace(Place):
             ``client_kwargs``...); the environment supplies the rest, as for any fsspec client.
     """
 
-    remote = True
     seen_alike_by_every_host = True
     storage_options: dict[str, Any]
 
@@ -390,6 +495,28 @@ class RemotePlace(Place):
                 finally:
                     with contextlib.suppress(Exception):
                         self.fs.rm(target)
+
+    def writing_directory(self, name: str) -> RemotePlace:
+        return self.child(name)  # in place: a prefix has no rename
+
+    def begin_directory(self, name: str) -> RemotePlace:
+        # A prefix cannot be replaced at once: a constant name's previous directory goes first.
+        self.remove(name)
+        written = self.writing_directory(name)
+        written.write(_UNFINISHED, lambda f: f.write(b""))
+        return written
+
+    def commit_directory(self, name: str, seal: Callable[[Place], object]) -> None:
+        written = self.writing_directory(name)
+        seal(written)  # the commit: the directory is whole once its seal exists
+        written.remove(_UNFINISHED, recursive=False)  # only tidies
+
+    def is_whole(self, seal: str) -> bool:
+        return self.is_file(seal)
+
+    def leftovers(self, entries: Mapping[str, bool]) -> list[str]:
+        unfinished = [name for name, is_dir in entries.items() if is_dir and self.child(name).is_file(_UNFINISHED)]
+        return super().leftovers(entries) + unfinished
 
     @property
     def _commits_uploads(self) -> bool:

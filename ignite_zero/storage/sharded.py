@@ -5,13 +5,9 @@ sealed by one rank: renamed into place on a local file system, committed by its 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import itertools
 import logging
-import os
 import secrets
-import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -35,7 +31,7 @@ from ignite_zero.storage.directory import (
     serialized_size,
 )
 from ignite_zero.storage.formats import directory as sharded
-from ignite_zero.storage.places import LocalPlace, Place, fsync_path
+from ignite_zero.storage.places import Place
 
 __all__ = ["ShardedSaver", "share"]
 
@@ -57,16 +53,15 @@ class ShardedSaver(DirectorySaver):
     once; :meth:`Checkpoint.load_objects <ignite_zero.Checkpoint.load_objects>` reads it on any number of ranks,
     each rank reading only what it needs, and ``ignite-zero consolidate`` turns it into a single file.
 
-    Durability: the ranks write into a hidden temporary directory, DCP writes its ``.metadata`` last, every
-    file's CRC-32 is computed while it is written, and ``save_on_rank`` (the checkpoint's recipient) then seals
-    the directory with a manifest of them, flushes it and renames it into place; older checkpoints are removed
-    only after that. A directory under a checkpoint's name is always complete. Every rank must see the same
-    ``dirname`` (a shared file system, or an object store).
-
-    On an object store, which has no rename, the ranks write into the checkpoint's own prefix, and the checkpoint
-    is complete exactly when its manifest exists: ``save_on_rank`` writes it last, after every rank's files.
-    Listings, loads and :func:`~ignite_zero.find_latest` take no prefix without manifest for a checkpoint, and the
-    next save removes what an interrupted one left.
+    Durability: every file's CRC-32 is computed while it is written, DCP writes its ``.metadata`` last, and
+    ``save_on_rank`` (the checkpoint's recipient) then seals the directory with a manifest of them; older checkpoints
+    are removed only after that. How the directory appears whole is the storage's (see
+    :meth:`Place.begin_directory <ignite_zero.storage.places.Place.begin_directory>`): locally the ranks write into a
+    hidden temporary directory, flushed and renamed into place once sealed, so that a directory under a checkpoint's
+    name is always complete; on an object store, which has no rename, they write into the checkpoint's own prefix,
+    which is complete exactly when its manifest, written last, exists. Listings, loads and
+    :func:`~ignite_zero.find_latest` take no unsealed prefix for a checkpoint, and the next save removes what an
+    interrupted one left. Every rank must see the same ``dirname`` (a shared file system, or an object store).
 
     Args:
         dirname: directory in which checkpoint directories are written: a path, or an fsspec URL
@@ -115,19 +110,7 @@ class ShardedSaver(DirectorySaver):
 
     def list(self) -> list[str]:
         """Names of the complete checkpoints: on an object store, those sealed by their manifest."""
-        names = super().list()
-        return [name for name in names if sharded.is_committed(self.place.child(name))] if self.place.remote else names
-
-    def _remove_temporaries(self) -> dict[str, bool]:
-        entries = super()._remove_temporaries()
-        if not self.place.remote:
-            return entries
-        for name, is_directory in list(entries.items()):
-            if is_directory and name.endswith(f".{self.ext}") and self.place.child(name).is_file(sharded.UNCOMMITTED):
-                self.place.remove(name)
-                del entries[name]
-                logger.warning("Removed %s, left by an interrupted save", self.place.location(name))
-        return entries
+        return [name for name in super().list() if self.place.child(name).is_whole(sharded.MANIFEST)]
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
         """Collective: save ``checkpoint`` (this rank's part of it) as the directory ``filename``."""
@@ -223,7 +206,7 @@ class ShardedSaver(DirectorySaver):
             stream: stream of agreement rounds (see :func:`ignite_zero.agreement.agree`).
             ranks: the ranks that write; one rank alone writes the whole directory without collectives.
         """
-        partial, writer = self._begin(state, filename, timeout, stream, ranks, cache=False)
+        writer = self._begin(state, filename, timeout, stream, ranks, cache=False)
         failure = None
         started = time.perf_counter()
         try:
@@ -231,7 +214,7 @@ class ShardedSaver(DirectorySaver):
                 dcp.save(dict(state), storage_writer=writer, process_group=group, no_dist=_alone(ranks))
         except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException
             failure = error
-        self._commit(filename, partial, writer, failure, timeout, stream, ranks, started)
+        self._commit(filename, writer, failure, timeout, stream, ranks, started)
 
     def save_state_async(
         self, state: Mapping, filename: str, *, group: Any, timeout: float, stream: str, ranks: Sequence[int] | None
@@ -242,7 +225,7 @@ class ShardedSaver(DirectorySaver):
         DCP keeps the host copies for the next save (``cache_staged_state_dict``); ``group`` must be a gloo group
         of its own (see :func:`ignite_zero.groups.cpu_group`), since DCP's collectives then run beside training.
         """
-        partial, writer = self._begin(state, filename, timeout, stream, ranks, cache=True)
+        writer = self._begin(state, filename, timeout, stream, ranks, cache=True)
         started = time.perf_counter()
         # a Future: with DCP's default stager, staging is done once async_save returns
         with sharded.in_one_process() if _alone(ranks) else contextlib.nullcontext():
@@ -256,28 +239,23 @@ class ShardedSaver(DirectorySaver):
                 future.result()
             except (Exception, CheckpointException) as error:
                 failure = error
-            self._commit(filename, partial, writer, failure, timeout, stream, ranks, started)
+            self._commit(filename, writer, failure, timeout, stream, ranks, started)
 
         return finish
 
     def _begin(
         self, state: Mapping, filename: str, timeout: float, stream: str, ranks: Sequence[int] | None, cache: bool
-    ) -> tuple[Place, Any]:
+    ) -> Any:
         """Collective: the writing rank clears what an interrupted save left and makes the directory the ranks write
         into; every rank learns whether the parts of all ranks fit on the disk."""
         check_filename(filename)
-        target = self._written_into(filename)
+        target = self.place.writing_directory(filename)
         failure, free, probe = None, None, None
         if self.is_writer:
             try:
                 self._prepare()
-                present = self._remove_temporaries()
-                if self.place.remote:
-                    if filename in present:  # a constant file name: the previous checkpoint goes first (no rename)
-                        self.place.remove(filename)
-                    target.write(sharded.UNCOMMITTED, lambda f: f.write(b""))
-                else:
-                    target.make()
+                self._remove_temporaries()
+                self.place.begin_directory(filename)
                 if not self._seen_by_every_rank and len(round_members(ranks)) > 1:
                     token = secrets.token_hex(16)
                     target.write(_PROBE, lambda f: f.write(token.encode()))
@@ -308,7 +286,7 @@ class ShardedSaver(DirectorySaver):
             writer = self._async_writer
             writer.reset(target.location())
         writer.written.clear()
-        return target, writer
+        return writer
 
     def _check_seen_by_every_rank(
         self, target: Place, probe: str, filename: str, timeout: float, stream: str, ranks: Sequence[int] | None
@@ -335,14 +313,14 @@ class ShardedSaver(DirectorySaver):
             self._seen_by_every_rank = True
 
     def _check_every_part_is_there(
-        self, partial: Place, filename: str, files: Sequence[Mapping[str, tuple[int, int]]], members: Sequence[int]
+        self, written: Place, filename: str, files: Sequence[Mapping[str, tuple[int, int]]], members: Sequence[int]
     ) -> None:
         """Before sealing: every rank's files are where the writing rank seals them, with the size written.
 
         A directory that stopped being shared after the first save (a mount lost on some hosts) would otherwise
         be sealed without their parts, and fail only at the resume.
         """
-        present = partial.file_sizes()
+        present = written.file_sizes()
         blind = [
             rank
             for rank, written in zip(members, files)
@@ -361,17 +339,9 @@ class ShardedSaver(DirectorySaver):
             "disks too). Nothing was sealed; earlier checkpoints are kept."
         )
 
-    def _written_into(self, filename: str) -> Place:
-        """Where the ranks write the checkpoint ``filename``: a hidden temporary directory renamed into place once
-        sealed; on an object store, the checkpoint's own prefix."""
-        if self.place.remote:
-            return self.place.child(filename)
-        return self.place.child(f".{filename}.ignite_zero-partial.tmp")
-
     def _commit(
         self,
         filename: str,
-        partial: Place,
         writer: Any,
         failure: BaseException | None,
         timeout: float,
@@ -390,16 +360,11 @@ class ShardedSaver(DirectorySaver):
         )
         if not self.is_writer:
             return
-        self._check_every_part_is_there(partial, filename, files, round_members(ranks))
+        written = self.place.writing_directory(filename)
+        self._check_every_part_is_there(written, filename, files, round_members(ranks))
         listed = {name: record for rank_files in files for name, record in rank_files.items()}
-        sharded.seal(partial, listed, world_size=len(files), torch=torch.__version__, ignite_zero=package_version())
-        if self.place.remote:
-            partial.remove(sharded.UNCOMMITTED, recursive=False)  # committed by the manifest already: only tidies
-        else:
-            local, final = cast(LocalPlace, partial).path, Path(self.place.location(filename))
-            fsync_path(local)
-            _install_directory(local, final)
-            fsync_path(final.parent)
+        facts = {"world_size": len(files), "torch": torch.__version__, "ignite_zero": package_version()}
+        self.place.commit_directory(filename, lambda written: sharded.seal(written, listed, **facts))
         size = sum(size for size, _ in listed.values())
         logger.info(
             "Saved %s (%.1f MB, %d files) in %.2f s",
@@ -446,33 +411,3 @@ def _dcp_group(request: SaveRequest, dedicated: bool) -> Any:
     if not request.collective:
         return None
     return cpu_group(dedicated=request.stream if dedicated else None)
-
-
-def _install_directory(source: Path, target: Path) -> None:
-    """Put the directory ``source`` at ``target``, replacing a previous ``target`` atomically where Linux can."""
-    if not target.exists():
-        os.replace(source, target)
-        return
-    if _exchange(source, target):  # target now holds the new checkpoint, source the old one
-        shutil.rmtree(source)
-        return
-    # Without an atomic exchange: the old directory steps aside under a temporary name first.
-    aside = target.with_name(f".{target.name}.ignite_zero-old.tmp")
-    os.replace(target, aside)
-    os.replace(source, target)
-    shutil.rmtree(aside)
-
-
-def _exchange(first: Path, second: Path) -> bool:
-    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where that is not available."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0:
-        return True
-    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EXDEV):
-        return False
-    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(second))

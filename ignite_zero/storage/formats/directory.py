@@ -46,7 +46,6 @@ __all__ = [
     "MANIFEST",
     "ChecksummingWriter",
     "DirectoryReader",
-    "UNCOMMITTED",
     "check_committed",
     "is_committed",
     "is_sharded_checkpoint",
@@ -65,9 +64,6 @@ __all__ = [
 
 #: The manifest that seals a sharded checkpoint directory: each file's size and CRC-32.
 MANIFEST = "ignite_zero.json"
-#: On an object store, where ranks write into the checkpoint's own prefix: the mark of a save not yet sealed, which
-#: tells the next save that the prefix is an interrupted save of ours (and not another tool's checkpoint).
-UNCOMMITTED = ".ignite_zero-uncommitted"
 _METADATA = ".metadata"
 _FORMAT = "ignite_zero-sharded"
 _READ_CHUNK = 1 << 20
@@ -229,17 +225,16 @@ def is_sharded_checkpoint(where: str | os.PathLike | Place) -> bool:
 
 
 def is_committed(where: str | os.PathLike | Place) -> bool:
-    """Whether the sharded checkpoint at ``where`` is complete: sealed, on an object store (where its ranks write in
-    place); with its ``.metadata``, locally (where it is renamed into place once sealed, or written by another
-    tool)."""
+    """Whether the sharded checkpoint at ``where`` is complete: whole as its storage commits a directory (sealed by
+    its manifest, where the ranks write in place), and with DCP's ``.metadata`` (which another tool's has too)."""
     place = place_of(where)
-    return place.is_file(MANIFEST) if place.remote else place.is_file(_METADATA)
+    return place.is_whole(MANIFEST) and place.is_file(_METADATA)
 
 
 def check_committed(place: Place) -> None:
     """Raise :class:`IntegrityError` unless ``place`` is a complete checkpoint directory (see :func:`is_committed`)."""
     if not is_committed(place):
-        missing = MANIFEST if place.remote else _METADATA
+        missing = _METADATA if place.is_whole(MANIFEST) else MANIFEST
         raise IntegrityError(f"{place} is not a complete checkpoint: it has no {missing} (interrupted save?)")
 
 
@@ -405,8 +400,9 @@ class DirectoryReader(Reader):
         self.path = place.location()
 
     def modified(self) -> float:
-        # a prefix of an object store has no time of its own: its manifest, written last, has
-        return self.place.modified(MANIFEST) if self.place.remote else self.place.modified("")
+        # the manifest is written last (and a prefix of an object store has no time of its own); another tool's
+        # directory has none
+        return self.place.modified(MANIFEST if self.place.is_file(MANIFEST) else "")
 
     def identity(self) -> tuple[Any, ...] | None:
         if not self.place.exists():

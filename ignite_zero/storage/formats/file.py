@@ -586,13 +586,13 @@ class FileReader(Reader):
 
     def load(self, weights_only: bool, progress: Callable[[int, int], None] | None = None) -> Any:
         """Everything the file holds, its tensors mapped from the file (copied for the legacy format; read whole
-        from an object store)."""
+        where files cannot be mapped, as on an object store)."""
         self._existing()
-        if self.place.remote:
-            loaded = self.read_tensors(self.structure(weights_only))
-        else:
+        if self.place.maps_files:
             mmap = not is_legacy_format(self.stored)
             loaded = torch.load(self.path, map_location="cpu", weights_only=weights_only, mmap=mmap)
+        else:
+            loaded = self.read_tensors(self.structure(weights_only))
         if progress is not None:
             progress(self.stored.size, self.stored.size)
         return loaded
@@ -620,10 +620,10 @@ class FileReader(Reader):
         }
 
     def tensors(self, only: str) -> tuple[list[ExportedTensor], dict[str, str]]:
-        remote = self.place.remote
-        # mapped: tensors are read when their bytes are; from an object store, read one at a time when written
-        loaded = self.structure(weights_only=True) if remote else self.load(weights_only=True)
-        mapped = not remote and not is_legacy_format(self.stored)
+        ranged = not self.place.maps_files
+        # mapped: tensors are read when their bytes are; by ranged reads (an object store), one at a time when written
+        loaded = self.structure(weights_only=True) if ranged else self.load(weights_only=True)
+        mapped = not ranged and not is_legacy_format(self.stored)
         if not isinstance(loaded, Mapping):
             raise ValueError(f"{self.path} holds a {type(loaded).__name__}, not a state dict to export")
         if only in loaded:
@@ -642,14 +642,14 @@ class FileReader(Reader):
                 continue
             name = ".".join(map(str, path))
             storage = value.untyped_storage()
-            where = _compat.storage_offset_in_file(storage) if remote else storage.data_ptr()
+            where = _compat.storage_offset_in_file(storage) if ranged else storage.data_ptr()
             view = (where, value.storage_offset(), tuple(value.shape), value.stride())
             if value.numel() and view in written:
                 aliases[name] = written[view]
                 continue
             written[view] = name
             release: Callable[[], None] = functools.partial(_drop_pages, value) if mapped else (lambda: None)
-            read = functools.partial(self.read_tensors, value) if remote else functools.partial(_itself, value)
+            read = functools.partial(self.read_tensors, value) if ranged else functools.partial(_itself, value)
             found.append(ExportedTensor(name, value.dtype, tuple(value.shape), read, release))
         return found, aliases
 
@@ -688,7 +688,7 @@ class FileReader(Reader):
         """What the file holds, with tensors on the meta device: the pickle and the record headers only (a local
         file in torch's legacy format: loaded)."""
         if is_legacy_format(self.stored):
-            if not self.place.remote:
+            if self.place.maps_files:
                 return self.load(weights_only)
             raise ValueError(
                 f"{self.path} is in torch's legacy format (`_use_new_zipfile_serialization=False`), which cannot be "
