@@ -30,9 +30,7 @@ __all__ = [
     "serialization_crc32",
     "DcpFsspecReader",
     "DcpFsspecWriter",
-    "dcp_file_system",
     "storage_offset_in_file",
-    "set_dcp_file_system",
     "sharded_optimizer_kind",
     "zero_awaits_ddp",
 ]
@@ -156,26 +154,6 @@ def storage_offset_in_file(storage: torch.UntypedStorage) -> int:
             "checkpoint files in parts from an object store with this torch; use the versions it was tested with"
         )
     return int(offset)
-
-
-def dcp_file_system(writer: Any) -> Any:
-    """The file system DCP's ``FileSystemWriter`` (or ``FsspecWriter``) writes through.
-
-    The writer keeps it in the attribute ``fs`` (torch 2.11 to 2.14) and offers no argument for it.
-    """
-    if not hasattr(writer, "fs"):
-        raise RuntimeError(
-            f"torch {torch.__version__}'s FileSystemWriter keeps no `fs`: ignite_zero cannot checksum sharded saves "
-            "with this torch; use the versions it was tested with (see README, Compatibility)"
-        )
-    return writer.fs
-
-
-def set_dcp_file_system(writer: Any, file_system: Any) -> None:
-    """Make DCP's writer write through ``file_system`` (one that checksums what passes): see
-    :func:`dcp_file_system`."""
-    dcp_file_system(writer)
-    writer.fs = file_system
 
 
 def dcp_entry_path(metadata: Any, name: str) -> tuple[Any, ...]:
@@ -613,3 +591,20 @@ def storage_alignment() -> int:
 def storage_archive_version() -> bytes:
     """The content of the ``version`` record that ``torch.save`` writes (``b"3\\n"`` with torch 2.11 to 2.14)."""
     return b"3\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# DCP's file layout, written by ignite_zero.storage.formats.dcp_files.
+
+__all__ += ["DCP_VERSION", "dcp_storage_info"]
+
+#: The version ``FileSystemWriter`` records in ``.metadata`` (torch 2.11 to 2.14).
+DCP_VERSION = "1.0.0"
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """Where an entry lies, as ``.metadata`` records it for DCP's readers: the private ``_StorageInfo`` of its
+    file system writer (torch 2.11 to 2.14), which plain ``dcp.load`` and ``dcp_to_torch_save`` unpickle."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)

@@ -415,7 +415,7 @@ def _sharded_save_with_fault(rank, world_size, dirname, fault, width):
             def failing_write_data(self, plan, planner):
                 raise OSError(errno.EIO, "Input/output error")
 
-            sharded.ChecksummingWriter.write_data = failing_write_data
+            sharded.DirectoryWriter.write_data = failing_write_data
         try:
             checkpoint(engine)
         except (RankFailureError, CollectiveTimeoutError) as error:

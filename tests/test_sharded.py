@@ -1,7 +1,10 @@
 """Sharded checkpoints on real gloo ranks: every rank writes its own part through torch.distributed.checkpoint, the
 directory is sealed with checksums, and it loads on any number of ranks, or in one process, for every kind of state."""
 
+import json
 import os
+import pickle
+import shutil
 
 import pytest
 import torch
@@ -170,14 +173,28 @@ def test_a_save_interrupted_before_sealing_leaves_the_previous_checkpoint(tmp_pa
 def test_corrupt_and_missing_files_are_refused(saved, tmp_path):
     _, directory = saved
     copy = tmp_path / "copy.dcp"
-    import shutil
-
     shutil.copytree(directory / "checkpoint_4.dcp", copy)
-    data = bytearray((copy / "__1_0.distcp").read_bytes())
-    data[len(data) // 2] ^= 0x01
-    (copy / "__1_0.distcp").write_bytes(bytes(data))
-    with pytest.raises(IntegrityError, match=r"copy.dcp: file __1_0.distcp is corrupt \(CRC-32"):
+    metadata = pickle.loads((copy / ".metadata").read_bytes())
+    read = next(info for index, info in metadata.storage_data.items() if index.fqn.startswith("side_model."))
+    good = (copy / read.relative_path).read_bytes()
+    # a byte that the load reads: caught as it arrives, naming the file and the entry
+    data = bytearray(good)
+    data[read.offset + read.length // 2] ^= 0x01
+    (copy / read.relative_path).write_bytes(bytes(data))
+    entry = rf"copy.dcp/{read.relative_path}, entry side_model\..* is corrupt \(CRC-32"
+    with pytest.raises(IntegrityError, match=entry):
         Checkpoint.load_objects({"side_model": tiny_model()}, copy)
+    with pytest.raises(IntegrityError, match=rf"copy.dcp: file {read.relative_path} is corrupt \(CRC-32"):
+        sharded.verify(copy)  # every byte, as `ignite-zero verify` checks it
+    # the manifest of an earlier release lists files only: the directory is verified whole before a load
+    manifest = json.loads((copy / sharded.MANIFEST).read_text())
+    for listed in manifest["files"].values():
+        del listed["records"]
+    (copy / sharded.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(IntegrityError, match=rf"copy.dcp: file {read.relative_path} is corrupt \(CRC-32"):
+        Checkpoint.load_objects({"side_model": tiny_model()}, copy)
+    (copy / read.relative_path).write_bytes(good)
+    Checkpoint.load_objects({"side_model": tiny_model()}, copy)
     (copy / "__1_0.distcp").unlink()
     with pytest.raises(IntegrityError, match=r"file __1_0.distcp is missing"):
         sharded.verify(copy)

@@ -350,21 +350,23 @@ class ShardedSaver(DirectorySaver):
         started: float,
     ) -> None:
         """Collective: every rank's files to the writing rank, which seals the directory and puts it in place."""
-        files = settle(
+        reports = settle(
             failure,
             what=f"sharded save of {filename}",
             timeout=timeout,
-            payload=dict(writer.written),
+            payload=(dict(writer.written), dict(writer.records)),
             stream=stream,
             ranks=ranks,
         )
         if not self.is_writer:
             return
+        files = [written for written, _ in reports]
+        records = {name: entries for _, rank_records in reports for name, entries in rank_records.items()}
         written = self.place.writing_directory(filename)
         self._check_every_part_is_there(written, filename, files, round_members(ranks))
         listed = {name: record for rank_files in files for name, record in rank_files.items()}
         facts = {"world_size": len(files), "torch": torch.__version__, "ignite_zero": package_version()}
-        self.place.commit_directory(filename, lambda written: sharded.seal(written, listed, **facts))
+        self.place.commit_directory(filename, lambda written: sharded.seal(written, listed, records, **facts))
         size = sum(size for size, _ in listed.values())
         logger.info(
             "Saved %s (%.1f MB, %d files) in %.2f s",

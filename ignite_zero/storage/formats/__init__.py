@@ -5,7 +5,9 @@
 ``file``       one file: torch's zip archive sealed with an integrity trailer (:class:`SealingStream` writes it,
                :class:`FileReader` reads it); a consolidated save, or plain ``torch.save``
 ``directory``  a sharded directory: ``torch.distributed.checkpoint``'s, sealed with a manifest of every file
-               (:class:`ChecksummingWriter` writes it, :class:`DirectoryReader` reads it)
+               (:class:`DirectoryWriter` writes it, :class:`DirectoryReader` reads it)
+``dcp_files``  DCP's files, written straight from tensor memory and read into place, through a place
+``torch_zip``  ``torch.save``'s archive, written record by record
 =============  ===============================================================================================
 
 :func:`format_for` picks the reader of a checkpoint by what is stored under its name; nothing outside this package

@@ -1,30 +1,34 @@
 """The sharded format: a ``torch.distributed.checkpoint`` (DCP) directory that every rank writes its part of.
 
-DCP writes one file per rank and, last, ``.metadata``; a directory without it is incomplete. On top of DCP, this
-module adds what every checkpoint of ours carries, a record to verify it by: every file's CRC-32 is computed while
-it is written (a stream that passes the bytes through, :class:`ChecksummingWriter`), and the coordinator seals the
-directory with a manifest, ``ignite_zero.json``, listing each file with its size and checksum. :func:`verify`
-checks a directory against its manifest.
+DCP's layout: one file per rank and, last, ``.metadata``; a directory without it is incomplete. On top of it, this
+module adds what every checkpoint of ours carries, a record to verify it by: :class:`DirectoryWriter` writes DCP's
+files itself, straight from tensor memory, computing the CRC-32 of every file and of every entry in it as it writes
+(:mod:`~ignite_zero.storage.formats.dcp_files`), and the coordinator seals the directory with a manifest,
+``ignite_zero.json``, listing each file with its size and checksum, and where each of its entries lies with theirs.
+:func:`verify` checks a directory against its manifest, whole.
 
-Reading goes through DCP too: a template names the entries a rank needs (tensors allocated from the directory's
-metadata, or ``DTensor``\\ s of the rank's own shards for FSDP) and DCP fills them, resharding across world sizes.
+Reading goes through DCP's planning: a template names the entries a rank needs (tensors allocated from the
+directory's metadata, or ``DTensor``\\ s of the rank's own shards for FSDP) and DCP fills them, resharding across world
+sizes. Each entry is read straight into its tensor and checked by the manifest's record as it arrives; a directory
+whose manifest records no entries (an earlier release's) is verified whole first and read by DCP's own reader.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import warnings
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from ignite_zero import _compat, tree
 from ignite_zero.adapters import ShardedState
@@ -40,11 +44,12 @@ from ignite_zero.storage.formats.base import (
     tensor_entry,
     written_by,
 )
+from ignite_zero.storage.formats.dcp_files import EntryRecord, PlaceStorageReader, PlaceStorageWriter
 from ignite_zero.storage.places import Place, RemotePlace, place_of
 
 __all__ = [
     "MANIFEST",
-    "ChecksummingWriter",
+    "DirectoryWriter",
     "DirectoryReader",
     "check_committed",
     "is_committed",
@@ -67,96 +72,29 @@ MANIFEST = "ignite_zero.json"
 _METADATA = ".metadata"
 _FORMAT = "ignite_zero-sharded"
 _READ_CHUNK = 1 << 20
-# Each slice of a write is checksummed right after the copy into the file, while it is still in the CPU's cache:
-# the CRC-32 of 320 MB of tensors written to tmpfs added 1-11 ms to 105-150 ms of writing in 256 KiB slices,
-# 22-40 ms over DCP's whole writes (8 MB each) on the 2-core CI machine, where reading memory bounds it (~10 GB/s).
-_WRITE_SLICE = 256 << 10
 
 
-class _ChecksummingStream(io.RawIOBase):
-    """Passes writes to a file, computing their CRC-32 on the way."""
-
-    def __init__(self, stream: Any) -> None:
-        super().__init__()
-        self._stream = stream
-        self.crc = 0
-        self.size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        for start in range(0, view.nbytes, _WRITE_SLICE):
-            piece = view[start : start + _WRITE_SLICE]
-            self._stream.write(piece)  # a buffered file: writes all of it, or raises
-            self.crc = crc32(piece, self.crc)
-        self.size += view.nbytes
-        return view.nbytes
-
-    def tell(self) -> int:
-        return self._stream.tell()
-
-    def flush(self) -> None:
-        self._stream.flush()
-
-    def fileno(self) -> int:
-        return self._stream.fileno()
-
-
-class _ChecksummingFileSystem:
-    """The file system of a DCP writer, recording the size and CRC-32 of every file written through it.
+class DirectoryWriter(PlaceStorageWriter, BlockingAsyncStager):
+    """The writer of a sharded checkpoint directory: DCP's files, written straight from tensor memory with every
+    record's CRC-32 (:class:`~ignite_zero.storage.formats.dcp_files.PlaceStorageWriter`), into a local directory or
+    an object store alike; for an asynchronous save, it stages host copies it may keep for the next one.
 
     Args:
-        inner: the writer's own file system (local, or fsspec's), which does the rest.
+        place: the checkpoint directory.
+        thread_count: files each rank writes, each from a thread of its own.
+        cache_staged_state_dict: keep the host copies of an asynchronous save for the next one.
     """
 
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.written: dict[str, tuple[int, int]] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        with self._inner.create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            checksumming = _ChecksummingStream(stream)
-            yield checksumming
-        self.written[_base_name(path)] = (checksumming.size, checksumming.crc)
-
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        self._inner.rename(path, new_path)
-        record = self.written.pop(_base_name(path), None)
-        if record is not None:  # `.metadata` is written as `.metadata.tmp`, then renamed
-            self.written[_base_name(new_path)] = record
-
-    def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str | os.PathLike:
-        if getattr(self._inner, "fs", None) is not None:
-            # fsspec's would make a new client from the URL alone (on `reset`), without the storage options: one
-            # that may talk to another endpoint than the one configured. The client stays.
-            return path
-        return self._inner.init_path(path, **kwargs)
-
-
-def _base_name(path: str | os.PathLike) -> str:
-    return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
-
-
-class _Staging:
-    """Host copies of an asynchronous save, kept and reused from one save to the next when caching."""
-
-    cache_staged_state_dict: bool
-    _copies: Any = None
+    def __init__(self, place: Place, thread_count: int = 1, cache_staged_state_dict: bool = False) -> None:
+        PlaceStorageWriter.__init__(self, place, thread_count)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict)
+        self._copies: Any = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A host copy of ``state_dict`` for an asynchronous save; kept and reused when caching, pinned only where
         an accelerator can pin it."""
         if not self.cache_staged_state_dict:
-            return super().stage(state_dict)  # type: ignore[misc]
+            return super().stage(state_dict)
         create, copy = _compat.dcp_host_copies()
         if self._copies is not None:
             try:
@@ -166,51 +104,10 @@ class _Staging:
         self._copies = create(state_dict, pin_memory=torch.cuda.is_available())
         return copy(state_dict, self._copies)
 
-    @property
-    def written(self) -> dict[str, tuple[int, int]]:
-        """Each file written: its name, size and CRC-32."""
-        return self._files.written  # type: ignore[attr-defined]
 
-
-class ChecksummingWriter(_Staging, FileSystemWriter):
-    """DCP's ``FileSystemWriter``, also recording each file it writes: :attr:`written` maps its name to its size
-    and CRC-32.
-
-    Args:
-        path: the checkpoint directory.
-        thread_count: threads writing this rank's files.
-        cache_staged_state_dict: keep the host copies of an asynchronous save for the next one.
-    """
-
-    def __init__(self, path: str | os.PathLike, thread_count: int = 1, cache_staged_state_dict: bool = False) -> None:
-        super().__init__(path, thread_count=thread_count, cache_staged_state_dict=cache_staged_state_dict)
-        self._files = _ChecksummingFileSystem(_compat.dcp_file_system(self))
-        _compat.set_dcp_file_system(self, self._files)
-
-
-class ChecksummingFsspecWriter(_Staging, _compat.DcpFsspecWriter):
-    """DCP's ``FsspecWriter`` (any fsspec URL), checksumming as :class:`ChecksummingWriter` does.
-
-    Args:
-        place: the checkpoint's prefix.
-        thread_count: threads writing this rank's files.
-        cache_staged_state_dict: keep the host copies of an asynchronous save for the next one.
-    """
-
-    def __init__(self, place: RemotePlace, thread_count: int = 1, cache_staged_state_dict: bool = False) -> None:
-        # Nothing to fsync: an object exists once its upload is complete. (DCP falls back to `os.sync()` of the
-        # whole host for streams without a file descriptor.)
-        super().__init__(place.url, thread_count=thread_count, sync_files=False, **place.storage_options)
-        self.cache_staged_state_dict = cache_staged_state_dict  # FsspecWriter takes no argument for it
-        self._files = _ChecksummingFileSystem(_compat.dcp_file_system(self))
-        _compat.set_dcp_file_system(self, self._files)
-
-
-def writer_for(place: Place, thread_count: int, cache_staged_state_dict: bool = False) -> Any:
-    """The checksumming DCP writer of the checkpoint directory ``place``."""
-    if isinstance(place, RemotePlace):
-        return ChecksummingFsspecWriter(place, thread_count, cache_staged_state_dict)
-    return ChecksummingWriter(place.location(), thread_count, cache_staged_state_dict)
+def writer_for(place: Place, thread_count: int, cache_staged_state_dict: bool = False) -> DirectoryWriter:
+    """The writer of the checkpoint directory ``place``."""
+    return DirectoryWriter(place, thread_count, cache_staged_state_dict)
 
 
 def _reader_of(place: Place) -> FileSystemReader:
@@ -238,14 +135,18 @@ def check_committed(place: Place) -> None:
         raise IntegrityError(f"{place} is not a complete checkpoint: it has no {missing} (interrupted save?)")
 
 
-def seal(where: Place, files: Mapping[str, tuple[int, int]], **facts: Any) -> None:
-    """Write the manifest of a checkpoint directory, durably: every file's size and CRC-32, and ``facts``."""
-    manifest = {
-        "format": _FORMAT,
-        "version": 1,
-        "files": {name: {"size": size, "crc32": crc} for name, (size, crc) in sorted(files.items())},
-        **facts,
-    }
+def seal(
+    where: Place,
+    files: Mapping[str, tuple[int, int]],
+    records: Mapping[str, Sequence[EntryRecord]] | None = None,
+    **facts: Any,
+) -> None:
+    """Write the manifest of a checkpoint directory, durably: every file's size and CRC-32, where each of its entries
+    lies and their CRC-32 (``records``, by file, for the files that :class:`DirectoryWriter` wrote), and ``facts``."""
+    listed: dict[str, Any] = {name: {"size": size, "crc32": crc} for name, (size, crc) in sorted(files.items())}
+    for name, entries in (records or {}).items():
+        listed[name]["records"] = [record.to_json() for record in entries]
+    manifest = {"format": _FORMAT, "version": 1, "files": listed, **facts}
     content = json.dumps(manifest, indent=1, sort_keys=True).encode()
     where.write(MANIFEST, lambda f: f.write(content))
 
@@ -301,6 +202,33 @@ def verify(where: str | os.PathLike | Place) -> dict[str, Any] | None:
     return manifest
 
 
+def entry_records(manifest: Mapping[str, Any] | None) -> dict[str, list[EntryRecord]] | None:
+    """Where each entry of each file lies and its CRC-32, from the manifest; ``None`` unless it records them for
+    every file (manifests of earlier releases list files only)."""
+    files = (manifest or {}).get("files", {})
+    if not files or not all("records" in listed for listed in files.values()):
+        return None
+    try:
+        return {name: [EntryRecord.from_json(r) for r in listed["records"]] for name, listed in files.items()}
+    except (TypeError, ValueError) as error:
+        raise IntegrityError(f"The manifest's records are corrupt: {error}") from error
+
+
+def _check_listing(place: Place, manifest: Mapping[str, Any]) -> None:
+    """Every file of the manifest is there with its size, and no ``.distcp`` file is there that it does not list."""
+    present = place.file_sizes()
+    for name, expected in manifest["files"].items():
+        if name not in present:
+            raise IntegrityError(f"{place}: file {name} is missing")
+        if present[name] != expected["size"]:
+            raise IntegrityError(
+                f"{place}: file {name} has {present[name]} bytes, {expected['size']} expected (truncated?)"
+            )
+    unlisted = sorted(name for name in present if name.endswith(".distcp") and name not in manifest["files"])
+    if unlisted:
+        raise IntegrityError(f"{place}: files {unlisted} are not in its manifest")
+
+
 def _file_crc(place: Place, name: str) -> int:
     crc = 0
     with place.open(name) as f:
@@ -309,9 +237,13 @@ def _file_crc(place: Place, name: str) -> int:
     return crc
 
 
-def read_metadata(where: str | os.PathLike | Place) -> Metadata:
-    """DCP's metadata of a checkpoint directory: every entry's name, shape and dtype, and where it lies."""
-    return _reader_of(place_of(where)).read_metadata()
+def read_metadata(
+    where: str | os.PathLike | Place, records: Mapping[str, Sequence[EntryRecord]] | None = None
+) -> Metadata:
+    """DCP's metadata of a checkpoint directory: every entry's name, shape and dtype, and where it lies; checked by
+    its CRC-32 with the manifest's ``records`` (see :func:`entry_records`)."""
+    place = place_of(where)
+    return (_reader_of(place) if records is None else PlaceStorageReader(place, records)).read_metadata()
 
 
 def path_of(metadata: Metadata, name: str) -> tuple[Any, ...]:
@@ -363,14 +295,27 @@ def nest(metadata: Metadata, flat: Mapping[str, Any]) -> dict[str, Any]:
     return nested
 
 
-def load(state: dict[str, Any], where: str | os.PathLike | Place) -> None:
+def load(
+    state: dict[str, Any],
+    where: str | os.PathLike | Place,
+    records: Mapping[str, Sequence[EntryRecord]] | None = None,
+) -> None:
     """Fill ``state`` (flat template entries and nested ``DTensor`` states alike) from a checkpoint directory.
 
     Local: every rank reads what its own template names (on an object store, with ranged reads), so ranks need no
-    collective to load.
+    collective to load. With the manifest's ``records`` (see :func:`entry_records`), each entry is read straight into
+    place and checked as it arrives; without, DCP's own reader reads the files (verified beforehand).
+
+    Raises:
+        IntegrityError: an entry read is corrupt or truncated.
     """
-    with in_one_process():  # each rank reads its own
-        dcp.load(state, storage_reader=_reader_of(place_of(where)), no_dist=True)
+    place = place_of(where)
+    reader = _reader_of(place) if records is None else PlaceStorageReader(place, records)
+    try:
+        with in_one_process():  # each rank reads its own
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except CheckpointException as error:  # DCP wraps every failure of a rank: what went wrong, as it was raised
+        raise next(iter(error.failures.values()))[0] from None
 
 
 @contextmanager
@@ -419,7 +364,15 @@ class DirectoryReader(Reader):
         return self.place.exists()
 
     def verify(self, whole: bool = True) -> Verification:
-        manifest = verify(self.place)  # every file, whole either way: DCP's reads are not checked as they arrive
+        if not whole:
+            check_committed(self.place)
+            manifest = read_manifest(self.place)
+            if entry_records(manifest) is not None:  # a load checks each entry it reads as it reads it
+                assert manifest is not None
+                _check_listing(self.place, manifest)
+                summary = f"{len(manifest['files'])} files, sizes match the manifest; entries checked as read"
+                return Verification(True, "manifest", summary, manifest)
+        manifest = verify(self.place)  # every file, whole: DCP's own reads are not checked as they arrive
         if manifest is None:
             return Verification(False, "manifest", "written by another tool")
         summary = f"{len(manifest['files'])} files, sizes and CRC-32 match the manifest"
@@ -428,8 +381,10 @@ class DirectoryReader(Reader):
     def load(self, weights_only: bool, progress: Callable[[int, int], None] | None = None) -> Any:
         """Every entry of the directory, read whole, as one file of it holds them (optimizer state keyed by index
         again). DCP reads the values that are no tensors as it saved them, ``weights_only`` or not."""
-        verify(self.place)
-        metadata = read_metadata(self.place)
+        records = self._records()
+        if records is None:
+            verify(self.place)
+        metadata = read_metadata(self.place, records)
         names = list(metadata.state_dict_metadata)
         sizes = {name: _nbytes(metadata.state_dict_metadata[name]) for name in names}
         total, done = sum(sizes.values()), 0
@@ -441,12 +396,18 @@ class DirectoryReader(Reader):
                 return name_of(path) in wanted
 
             part = template(metadata, keep)
-            load(part, self.place)
+            load(part, self.place, records)
             flat.update(part)
             done += sum(sizes[name] for name in batch)
             if progress is not None:
                 progress(done, total)
         return {key: as_saved_optimizer_state(value) for key, value in nest(metadata, flat).items()}
+
+    def _records(self) -> dict[str, list[EntryRecord]] | None:
+        """Where every entry lies and its CRC-32, from the manifest, for reads checked as they arrive; ``None`` where
+        the manifest does not say (an earlier release's, or none): such a directory is verified whole before a
+        read."""
+        return entry_records(read_manifest(self.place))
 
     def listing(self) -> dict[str, Any]:
         manifest = read_manifest(self.place)
@@ -473,7 +434,8 @@ class DirectoryReader(Reader):
         }
 
     def tensors(self, only: str) -> tuple[list[ExportedTensor], dict[str, str]]:
-        metadata = read_metadata(self.place)
+        records = self._records()
+        metadata = read_metadata(self.place, records)
         found = []
         for flat_name, storage in metadata.state_dict_metadata.items():
             path = path_of(metadata, flat_name)
@@ -483,7 +445,7 @@ class DirectoryReader(Reader):
 
             def read(flat_name: str = flat_name, storage: Any = storage, dtype: torch.dtype = dtype) -> Any:
                 wanted = {flat_name: torch.empty(storage.size, dtype=dtype)}
-                load(wanted, self.place)  # this tensor alone, from every file that holds a part of it
+                load(wanted, self.place, records)  # this tensor alone, from every file that holds a part of it
                 return wanted[flat_name]
 
             found.append(ExportedTensor(".".join(map(str, path[1:])), dtype, tuple(storage.size), read))
@@ -494,7 +456,8 @@ class DirectoryReader(Reader):
     def entries(self, objects: Mapping, weights_only: bool) -> Any:
         """Read what each object needs: its own shards where it gives a template, else the saved entries it wants,
         whole (optimizer state keyed by index again)."""
-        metadata = read_metadata(self.place)
+        records = self._records()
+        metadata = read_metadata(self.place, records)
         saved = {path_of(metadata, name) for name in metadata.state_dict_metadata}
         templates: dict[tuple[Any, ...], Any] = {}
         flat: dict[str, Any] = {}
@@ -519,7 +482,7 @@ class DirectoryReader(Reader):
         state: dict[str, Any] = dict(flat)
         for path, own in templates.items():
             state[name_of(path)] = own
-        load(state, self.place)
+        load(state, self.place, records)
         nested = nest(metadata, {name: state[name] for name in flat})
 
         def entry(path: tuple[Any, ...], _: Any) -> Any:
