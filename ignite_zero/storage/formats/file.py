@@ -654,25 +654,19 @@ class FileReader(Reader):
         return found, aliases
 
     def entries(self, objects: Mapping, weights_only: bool) -> Any:
-        """What ``objects`` load, read straight into new tensors (whole records: plain objects, a ZeRO partition) or
-        into the objects' own (FSDP's parts, as they load), each checked as it arrives (:class:`ReadChecks`): one
-        pass over the bytes a rank needs, where verifying first, then mapping, read every byte twice."""
+        """What ``objects`` load, its tensors deferred (:mod:`ignite_zero.deferred`): each is read when it is loaded,
+        straight into the tensor it is loaded into where the layouts allow, or into a new one, each block checked as it
+        arrives (:class:`ReadChecks`). A rank reads its part of each sharded entry only (FSDP's parts of each tensor,
+        its partition of a ZeRO optimizer's state), once: verifying the file first, then mapping and copying it,
+        read every byte twice."""
         if is_legacy_format(self.stored):  # no records to read in parts: loaded whole (locally only)
             return entries_of(objects, self.structure(weights_only))
         self._existing()
         entries = entries_of(objects, self.structure(weights_only))
-        # before any tensor is read: each sharded object's own part of its entry only, and FSDP's parts read later
-        later = {}
         for path, obj in tree.leaves(objects):
-            if isinstance(obj, ShardedState) and obj.loads_deferred:
-                later[path] = tree.get(entries, path)
-                _replace(entries, path, None)
-            elif isinstance(obj, ShardedState) and (part := obj.part_needed()) is not None:
+            if isinstance(obj, ShardedState) and not obj.loads_deferred and (part := obj.part_needed()) is not None:
                 _replace(entries, path, part.select(tree.get(entries, path)))
-        entries = self.read_tensors(entries)
-        for path, entry in later.items():
-            _replace(entries, path, deferred.defer(entry, self._parts()))
-        return entries
+        return deferred.defer(entries, self._parts())
 
     def close(self) -> None:
         if self._source is not None:
