@@ -1,17 +1,20 @@
 """A consolidated save written while the other ranks' state arrives: the file holds, record by record, what
 ``torch.save`` writes of the same state gathered beforehand, and torch's readers, stock ignite and ``verify`` read it.
+A load reads it back into the tensors it restores.
 """
 
 import zipfile
 
 import pytest
 import torch
+from ignite.engine import Engine
 from ignite.handlers import Checkpoint as IgniteCheckpoint
 from launcher import run_ranks
-from training import assert_state_equal, mixed_objects, small_net
+from torch.nn.parallel import DistributedDataParallel
+from training import assert_state_equal, mixed_objects, small_net, tiny_model, train_step, zero_adam
 
 from ignite_zero import Checkpoint, DiskSaver
-from ignite_zero.adapters import adapt
+from ignite_zero.adapters import ZeROState, adapt
 from ignite_zero.storage.formats.file import verify_file
 from ignite_zero.transport import Overlap
 
@@ -82,3 +85,38 @@ def test_overlap_waits_only_for_memory_still_to_arrive():
     assert (overlap._starts, overlap._stops) == ([100, 160, 300], [120, 200, 400])
     assert not overlap._pending(120, 160) and overlap._pending(119, 121)
     overlap.finish()
+
+
+def _load_in_place(rank, world_size, tmp_path):
+    model = DistributedDataParallel(tiny_model(seed=3))
+    optimizer = zero_adam(model)
+    train_step(model, optimizer, rank, 7)  # state of another value, in tensors that loading must reuse
+    addresses = _addresses(model, optimizer)
+    Checkpoint.load_objects({"model": model, "optimizer": optimizer}, tmp_path / "checkpoint_3.pt")
+    return addresses == _addresses(model, optimizer), model.module.state_dict(), ZeROState(optimizer).state_dict()
+
+
+def _addresses(model, optimizer):
+    """Where the model's tensors and this rank's optimizer state live."""
+    state = [t.data_ptr() for s in optimizer.optim.state.values() for t in s.values() if t.dim()]
+    return [t.data_ptr() for t in model.module.state_dict().values()] + state
+
+
+def test_a_load_reads_modules_and_zero_partitions_into_their_own_tensors(tmp_path):
+    run_ranks(_save, 2, tmp_path)
+    saved = torch.load(tmp_path / "checkpoint_3.pt", weights_only=True)
+    results = run_ranks(_load_in_place, 2, tmp_path)
+    for in_place, model_state, _ in results:
+        assert in_place  # no tensor was replaced: the bytes were read into those that were there
+        assert_state_equal(model_state, saved["model"])
+    assert_state_equal(results[0][2], saved["optimizer"])  # consolidated again on rank 0 from what was loaded
+
+
+def _save(rank, world_size, tmp_path):
+    model = DistributedDataParallel(tiny_model())
+    optimizer = zero_adam(model)
+    for step in range(3):
+        train_step(model, optimizer, rank, step)
+    trainer = Engine(lambda e, b: None)
+    trainer.state.iteration = 3
+    Checkpoint({"model": model, "optimizer": optimizer}, DiskSaver(tmp_path))(trainer)

@@ -808,7 +808,6 @@ def _read_into(
     if stop == start:
         return
     spans = checks.spans(record, size, start, stop)  # contiguous
-    scratch: memoryview | None = None
     f.seek(spans[0][0])
     for span_start, span_stop, expected, what in spans:
         crc, position = 0, span_start
@@ -817,9 +816,8 @@ def _read_into(
             end = min(end, start) if position < start else min(end, stop) if position < stop else end
             if start <= position < stop:
                 target = out[position - start : end - start]
-            else:
-                scratch = scratch if scratch is not None else memoryview(bytearray(_READ_PIECE))
-                target = scratch[: end - position]
+            else:  # read for its CRC-32 alone: at most a block at each end
+                target = memoryview(bytearray(end - position))
             _fill(f, target, what)
             crc = crc32(target, crc)
             position = end
