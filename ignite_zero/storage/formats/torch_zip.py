@@ -24,7 +24,7 @@ import io
 import pickle
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -143,7 +143,9 @@ class _Writer:
         self.archive.crc = zlib_ng.crc32(data, self.archive.crc)
         self.archive.size += len(data)
 
-    def record(self, name: str, data: bytes | memoryview, ready: Callable[[memoryview], object] | None = None) -> None:
+    def record(
+        self, name: str, data: bytes | memoryview, source: Callable[[memoryview], Iterable[memoryview]] | None = None
+    ) -> None:
         full_name = f"archive/{name}".encode()
         start = self.archive.size
         # torch pads the extra field ("FB", its length, then "Z"s) so that the data starts on the alignment
@@ -157,10 +159,9 @@ class _Writer:
         crc = 0
         for begin in range(0, view.nbytes, _SLICE):
             piece = view[begin : begin + _SLICE]
-            if ready is not None:
-                ready(piece)
-            self._write(piece)
-            crc = zlib_ng.crc32(piece, crc)
+            for part in (piece,) if source is None else source(piece):
+                self._write(part)
+                crc = zlib_ng.crc32(part, crc)
         self.archive.crc = zlib_ng.crc32_combine(self.archive.crc, crc, view.nbytes)
         self.archive.size += view.nbytes
         self.archive.records.append(Record(name, self.archive.size - view.nbytes, view.nbytes, crc))
@@ -200,15 +201,18 @@ class _Writer:
 
 
 def write_archive(
-    stream: IO[bytes] | Callable[[Any], object], obj: Any, ready: Callable[[memoryview], object] | None = None
+    stream: IO[bytes] | Callable[[Any], object],
+    obj: Any,
+    source: Callable[[memoryview], Iterable[memoryview]] | None = None,
 ) -> Archive:
     """Write ``obj`` to ``stream`` as ``torch.save(obj, stream)`` would, storages straight from their memory.
 
     Args:
         stream: a writable stream (written sequentially, never sought), or a function that writes all it is given.
         obj: what to save. Storages on an accelerator are copied to the host one at a time.
-        ready: called with each slice of a storage's bytes before it is written, for a caller whose bytes are still
-            arriving (a consolidated save) to wait until they are there.
+        source: given each slice of a storage's memory before it is written, returns the bytes to write in its place,
+            in order: for a caller whose bytes are still arriving, or lie elsewhere (a consolidated save), to wait
+            for them or point to them.
 
     Returns:
         Where each record lies in what was written, and the CRC-32 of all of it.
@@ -231,6 +235,6 @@ def write_archive(
     writer.record(".storage_alignment", str(_compat.storage_alignment()).encode())
     writer.record("byteorder", sys.byteorder.encode())
     for key, storage in storages:
-        writer.record(f"data/{key}", tensor_bytes(storage.cpu()), ready)
+        writer.record(f"data/{key}", tensor_bytes(storage.cpu()), source)
     writer.record("version", _compat.storage_archive_version())
     return writer.finish()
