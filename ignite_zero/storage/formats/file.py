@@ -733,11 +733,12 @@ class _Parts:
     def __init__(self, reader: FileReader) -> None:
         self._f = reader.place.open(reader.name, block_size=SMALL_READ_BLOCK)
         self._checks = reader.read_checks(self._f)
+        self._last = _LastSpan()
         self._path = reader.path
 
     def read(self, view: torch.Tensor) -> torch.Tensor:
         record, size, (start, stop) = self._where(view)
-        data = _read_bytes(self._f, self._checks, record, size, start, stop)
+        data = _read_bytes(self._f, self._checks, record, size, start, stop, self._last)
         first = start - record
         return torch.empty(0, dtype=view.dtype).set_(
             data, view.storage_offset() - first // view.element_size(), view.size(), view.stride()
@@ -749,7 +750,7 @@ class _Parts:
         if not (_is_run(view) and _is_run(target) and target.device.type == "cpu" and target.dtype == view.dtype):
             return False
         record, size, (start, stop) = self._where(view)
-        _read_into(self._f, self._checks, record, size, start, stop, _bytes_of(target))
+        _read_into(self._f, self._checks, record, size, start, stop, _bytes_of(target), self._last)
         return True
 
     def _where(self, view: torch.Tensor) -> tuple[int, int, tuple[int, int]]:
@@ -780,12 +781,12 @@ def _extent(view: torch.Tensor) -> tuple[int, int]:
 
 
 def _read_bytes(
-    f: IO[bytes], checks: ReadChecks, record: int, size: int, start: int, stop: int
+    f: IO[bytes], checks: ReadChecks, record: int, size: int, start: int, stop: int, last: _LastSpan | None = None
 ) -> torch.UntypedStorage:
     """The bytes ``[start, stop)`` of ``f``, within the record whose data lies at ``[record, record + size)``, read
     straight into a new storage (see :func:`_read_into`)."""
     storage = torch.UntypedStorage(stop - start)
-    _read_into(f, checks, record, size, start, stop, _bytes_of(torch.empty(0, dtype=torch.uint8).set_(storage)))
+    _read_into(f, checks, record, size, start, stop, _bytes_of(torch.empty(0, dtype=torch.uint8).set_(storage)), last)
     return storage
 
 
@@ -795,33 +796,79 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 
 def _read_into(
-    f: IO[bytes], checks: ReadChecks, record: int, size: int, start: int, stop: int, out: memoryview
+    f: IO[bytes],
+    checks: ReadChecks,
+    record: int,
+    size: int,
+    start: int,
+    stop: int,
+    out: memoryview,
+    last: _LastSpan | None = None,
 ) -> None:
     """Read the bytes ``[start, stop)`` of ``f``, within the record whose data lies at ``[record, record + size)``,
     straight into ``out``, each checked span (a whole record, or the blocks that hold a part) checked as its last
     byte arrives.
 
-    The bytes of a span outside ``[start, stop)`` (at most a block on each side) go through a small scratch buffer,
-    read for their CRC-32 alone. Pieces of at most :data:`_READ_PIECE` are summed right after they are read, while
-    they are still in the CPU's cache: no second pass over memory.
+    Spans are read in pieces of at most :data:`_READ_PIECE`, each summed right after it is read, while it is still
+    in the CPU's cache: no second pass over memory; pieces within ``[start, stop)`` go straight into ``out``. A small
+    span that reaches beyond (a block at either end) is read whole into a buffer of its own, checked, and its part
+    copied; ``last`` keeps the latest such span, for the next read of neighbouring bytes (views of one record read one
+    after the other: a ZeRO partition) to take it without reading it again.
     """
     if stop == start:
         return
-    spans = checks.spans(record, size, start, stop)  # contiguous
-    f.seek(spans[0][0])
-    for span_start, span_stop, expected, what in spans:
-        crc, position = 0, span_start
-        while position < span_stop:
-            end = min(span_stop, position + _READ_PIECE)
-            end = min(end, start) if position < start else min(end, stop) if position < stop else end
-            if start <= position < stop:
-                target = out[position - start : end - start]
-            else:  # read for its CRC-32 alone: at most a block at each end
-                target = memoryview(bytearray(end - position))
-            _fill(f, target, what)
-            crc = crc32(target, crc)
-            position = end
-        checks.check(crc, expected, what)
+    position = -1
+    for span_start, span_stop, expected, what in checks.spans(record, size, start, stop):  # contiguous
+        inside = start <= span_start and span_stop <= stop
+        if not inside and last is not None and (last.start, len(last.data)) == (span_start, span_stop - span_start):
+            data = last.data  # checked when it was read
+        else:
+            if position != span_start:
+                f.seek(span_start)
+            position = span_stop
+            if inside or span_stop - span_start > _READ_PIECE:  # pieces inside go straight to `out`
+                _read_span(f, out, start, stop, span_start, span_stop, expected, what, checks)
+                continue
+            data = memoryview(bytearray(span_stop - span_start))
+            _fill(f, data, what)
+            checks.check(crc32(data), expected, what)
+        low, high = max(start, span_start), min(stop, span_stop)  # an edge: its part of [start, stop) copied
+        out[low - start : high - start] = data[low - span_start : high - span_start]
+        if last is not None:
+            last.start, last.data = span_start, data
+
+
+def _read_span(
+    f: IO[bytes],
+    out: memoryview,
+    start: int,
+    stop: int,
+    span_start: int,
+    span_stop: int,
+    expected: int,
+    what: str,
+    checks: ReadChecks,
+) -> None:
+    """Read a checked span in pieces, those within ``[start, stop)`` straight into ``out``, the others into a buffer
+    of their size, for their CRC-32 alone."""
+    crc, position = 0, span_start
+    while position < span_stop:
+        end = min(span_stop, position + _READ_PIECE)
+        end = min(end, start) if position < start else min(end, stop) if position < stop else end
+        inside = start <= position < stop
+        target = out[position - start : end - start] if inside else memoryview(bytearray(end - position))
+        _fill(f, target, what)
+        crc = crc32(target, crc)
+        position = end
+    checks.check(crc, expected, what)
+
+
+@dataclass
+class _LastSpan:
+    """The latest span read whole for a part of it, checked: its offset in the file and its bytes."""
+
+    start: int = -1
+    data: memoryview = memoryview(b"")
 
 
 def _fill(f: IO[bytes], target: memoryview, what: str) -> None:
