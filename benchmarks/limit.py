@@ -32,13 +32,17 @@ every rank's does); the table gives the median of those, and each path's median 
 to its floor (and to the path it must beat). The last line holds the median x-floor ratios of every configuration.
 ``--plot PATH`` draws seconds per path against its floor (needs matplotlib: ``pip install -e '.[benchmarks]'``).
 ``--profile N`` runs each path once after a warm-up, under cProfile on every rank, and prints the N functions that
-took the most time of their own, instead of the table.
+took the most time of their own, instead of the table; ``--memory`` runs each path once after a warm-up, and prints
+the growth of every rank's resident memory during it (sampled, see ``_common.measure``) against the bytes the rank
+holds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -52,7 +56,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import fsdp2_adam_after_one_step, launch, scratch_directory, summary, zero_adam_after_one_step
+from _common import (
+    Measurement,
+    fsdp2_adam_after_one_step,
+    launch,
+    measure,
+    scratch_directory,
+    summary,
+    zero_adam_after_one_step,
+)
 from ignite.engine import Engine
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -174,6 +186,7 @@ class _Setup:
         self.own = [t.contiguous() for t in self.own]
         # what a load reads: ZeRO ranks the whole model (every rank holds it) and their optimizer shard
         self.needed = self.own if kind != "zero" else [*self.model.state_dict().values(), *_tensors(shard)]
+        self.needed_bytes = sum(t.numel() * t.element_size() for t in self.needed)
         self.own_bytes = sum(t.numel() * t.element_size() for t in self.own)
         total = torch.tensor([self.own_bytes], dtype=torch.int64)
         dist.all_reduce(total)
@@ -221,9 +234,11 @@ def _rank(
     paths: tuple[str, ...],
     cold: bool,
     profile: int,
+    memory: bool,
 ) -> Times | dict[str, str]:
     """Every path of ``paths`` in interleaved rounds; ``cold``: loads read from the disk, not the page cache.
-    ``profile``: each path once after a warm-up instead, under cProfile: its ``profile`` costliest functions."""
+    ``profile``: each path once after a warm-up instead, under cProfile: its ``profile`` costliest functions.
+    ``memory``: each path once after a warm-up instead, its growth of this rank's memory against the rank's bytes."""
     setup = _Setup(kind, layers, width, rank, world_size)
     out, kept = directory / "out", directory / "kept"
     engine = Engine(lambda e, b: None)
@@ -241,7 +256,7 @@ def _rank(
     kept_consolidated = checkpoint(DiskSaver(kept / "consolidated", require_empty=False))
     kept_consolidated(engine)
     dcp.save(setup.dcp_state(), checkpoint_id=kept / "dcp")
-    _write_raw(kept / f"raw{rank}", setup.needed, sum(t.numel() * t.element_size() for t in setup.needed))
+    _write_raw(kept / f"raw{rank}", setup.needed, setup.needed_bytes)
     sharded_path, consolidated_path = kept_sharded.last_checkpoint, kept_consolidated.last_checkpoint
     assert sharded_path is not None and consolidated_path is not None
 
@@ -261,18 +276,22 @@ def _rank(
         "consolidated load": lambda: Checkpoint.load_objects(setup.objects, consolidated_path),
     }
 
-    def run(name: str, profiler: cProfile.Profile | None = None) -> float:
+    def run(name: str, profiler: cProfile.Profile | None = None, sampled: list[Measurement] | None = None) -> float:
         engine.state.iteration += 1
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             if name in LOADS and cold:
                 _drop_cached(kept)
+        gc.collect()
         dist.barrier()
         if profiler is not None:
             profiler.enable()
         started = time.perf_counter()
-        operations[name]()
+        with measure() if sampled is not None else contextlib.nullcontext() as measurement:
+            operations[name]()
         elapsed = time.perf_counter() - started
+        if sampled is not None:
+            sampled.append(measurement)
         if profiler is not None:
             profiler.disable()
         dist.barrier()
@@ -291,6 +310,19 @@ def _rank(
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(profile)
             profiles[name] = f"{elapsed:.3f} s\n" + text.getvalue().split("\n\n", 1)[-1].strip()
         return profiles
+    if memory:
+        growths = {}
+        for name in paths:
+            run(name)
+            sampled: list[Measurement] = []
+            run(name, sampled=sampled)
+            growth, held = sampled[0], setup.needed_bytes if name in LOADS else setup.own_bytes
+            growths[name] = (
+                f"resident +{growth.growth / 1e6:.0f} MB ({growth.growth / held:.2f} x the {held / 1e6:.0f} MB it "
+                f"{'reads' if name in LOADS else 'holds'}), anonymous +{growth.anon_growth / 1e6:.0f} MB "
+                f"({growth.anon_growth / held:.2f} x)"
+            )
+        return growths
     times: Times = {path: [] for path in paths}
     for round_ in range(runs + 1):  # the first round warms up caches, allocators and connections
         for name in paths[round_ % len(paths) :] + paths[: round_ % len(paths)]:
@@ -389,6 +421,9 @@ def main(argv: list[str] | None = None) -> None:
     options.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="what to measure")
     options.add_argument("--plot", type=Path, default=None, help="write a PNG of the results there")
     options.add_argument(
+        "--memory", action="store_true", help="instead: each path once, its growth of every rank's resident memory"
+    )
+    options.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -406,19 +441,30 @@ def main(argv: list[str] | None = None) -> None:
                 shutil.rmtree(directory, ignore_errors=True)
                 directory.mkdir(parents=True)
                 key = (kind, target if len(args.world_sizes) == 1 else f"{target}, {world_size} ranks")
-                arguments = (kind, args.layers, args.width, args.runs, directory, paths, target == "disk", args.profile)
+                cold = target == "disk"
+                arguments = (
+                    kind,
+                    args.layers,
+                    args.width,
+                    args.runs,
+                    directory,
+                    paths,
+                    cold,
+                    args.profile,
+                    args.memory,
+                )
                 try:
                     ranks = launch(_rank, world_size, *arguments)
                 finally:
                     shutil.rmtree(directory, ignore_errors=True)
-                if args.profile:
+                if args.profile or args.memory:
                     for name in paths:
                         for rank, profiles in enumerate(ranks):
                             print(f"{key[0]}, {key[1]}, {name}, rank {rank}: {profiles[name]}\n", flush=True)
                     continue
                 results[key] = ranks
                 print(f"{key[0]}, {key[1]}:\n{_table({key: results[key]})}\n", flush=True)
-    if args.profile:
+    if args.profile or args.memory:
         return
     print(_table(results))
     if args.plot is not None:

@@ -105,8 +105,8 @@ def _newest_valid(place: Place, prefix: str) -> tuple[Any, str] | None:
             reader = readers[name]
             if reader.identity() is None:
                 raise IntegrityError(f"{location} is no longer there")
-            # every byte where files are mapped (local: cheap); elsewhere what a load checks before it reads, so
-            # that finding a checkpoint on an object store does not download it
+            # every byte where the files are at hand; on an object store, what a load checks before it reads (each
+            # part is checked as a rank reads it), not a download of every checkpoint
             reader.verify(whole=place.maps_files)
         except (IntegrityError, OSError, ValueError) as error:
             logger.warning("Skipping checkpoint %s: %s", location, error)

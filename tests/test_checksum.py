@@ -15,6 +15,7 @@ import torch
 from ignite_zero import _compat
 from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.formats import file as integrity
+from ignite_zero.storage.formats.torch_zip import write_archive
 from ignite_zero.storage.places import LocalPlace
 
 # both sides of the 5 KiB above which the GIL is released, and chunks DCP writes
@@ -49,15 +50,19 @@ def test_crc32_of_tensor_memory(dtype):
     assert sharded.crc32(view[1000:], sharded.crc32(view[:1000])) == zlib.crc32(view)
 
 
-def test_stream_and_file_checksums_are_zlibs(tmp_path):
+def test_archive_and_file_checksums_are_zlibs(tmp_path):
     rng = random.Random(1)
-    chunks = [rng.randbytes(rng.choice([0, 5, 8192, 700_000])) for _ in range(40)]
+    sizes = [rng.choice([0, 5, 8192, 700_000]) for _ in range(40)]  # records of several 256 KiB slices among them
+    tensors = [
+        torch.frombuffer(bytearray(rng.randbytes(size)), dtype=torch.uint8) if size else torch.empty(0)
+        for size in sizes
+    ]
     target = io.BytesIO()
-    stream = sharded._ChecksummingStream(target)
-    for chunk in chunks:
-        stream.write(memoryview(chunk))
+    archive = write_archive(target, tensors)
     written = target.getvalue()
-    assert (stream.size, stream.crc) == (len(written), zlib.crc32(written))
+    assert (archive.size, archive.crc) == (len(written), zlib.crc32(written))
+    for record in archive.records:
+        assert record.crc == zlib.crc32(written[record.offset : record.offset + record.size])
     (tmp_path / "file").write_bytes(written)
     assert sharded._file_crc(LocalPlace(tmp_path), "file") == zlib.crc32(written)
 

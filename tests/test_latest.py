@@ -58,6 +58,12 @@ def test_an_uncommitted_sharded_checkpoint_is_skipped(tmp_path):
     (tmp_path / "checkpoint_6.dcp" / ".metadata").unlink()  # as if the save had stopped before DCP's last write
     (tmp_path / ".checkpoint_8.dcp.ignite_zero-partial.tmp").mkdir()  # an interrupted save's directory
     assert [found for found, _ in run_ranks(_find, 2, tmp_path)] == [str(tmp_path / "checkpoint_4.dcp")] * 2
+    # a corrupt byte in a file: every byte is checked on a local disk, though a load checks only what it reads
+    corrupt = tmp_path / "checkpoint_4.dcp" / "__1_0.distcp"
+    data = bytearray(corrupt.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    corrupt.write_bytes(bytes(data))
+    assert [found for found, _ in run_ranks(_find, 2, tmp_path)] == [str(tmp_path / "checkpoint_2.dcp")] * 2
 
 
 def test_nothing_valid_is_none(tmp_path):

@@ -218,5 +218,9 @@ def test_every_rank_writes_a_share_of_what_all_ranks_hold():
     state = {"a": torch.zeros(1), "b": {"c": torch.ones(1), "d": 3}, "e": [torch.ones(2)], "f": "x"}
     shares = [share(state, rank, 2, keeper=1) for rank in range(2)]
     assert list(shares[0]) == ["a"] and list(shares[1]) == ["b", "e", "f"]
-    assert list(shares[1]["b"]) == ["c", "d"]  # tensors dealt round-robin; the rest, and lists, with the keeper
+    assert list(shares[1]["b"]) == ["c", "d"]  # tensors dealt over the ranks; the rest, and lists, with the keeper
     assert share({"x": 1}, 0, 2, keeper=1) is tree.OMIT
+    # by size: each tensor to the rank with the fewest bytes so far, not in turn (weights and biases of linear layers)
+    layers = {f"{n}.{kind}": torch.zeros(size) for n in range(4) for kind, size in (("weight", 100), ("bias", 10))}
+    shares = [share(layers, rank, 2, keeper=0) for rank in range(2)]
+    assert [sum(t.numel() for t in part.values()) for part in shares] == [220, 220]

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from ignite_zero import IntegrityError
 from ignite_zero.storage.formats import directory as sharded
+from ignite_zero.storage.formats import torch_zip
 from ignite_zero.storage.formats.dcp_files import PlaceStorageReader, PlaceStorageWriter
 from ignite_zero.storage.formats.torch_zip import write_archive
 from ignite_zero.storage.places import LocalPlace
@@ -213,3 +214,23 @@ def test_a_corrupt_byte_anywhere_in_an_entry_read_is_caught(tmp_path):
     path.write_bytes(good[:-100])
     with pytest.raises(IntegrityError, match=r"the file ends early \(truncated\?\)"):
         _load_ours(tmp_path, writer, _blank(state))
+
+
+def test_files_of_several_threads_and_entries_that_torch_save_writes(tmp_path, monkeypatch):
+    """Entries of 4 GiB or more take zip64 records that torch.save writes: here every entry, by a lower limit."""
+    state = _state()
+    monkeypatch.setattr(torch_zip, "fits", lambda nbytes: False)
+    writer = PlaceStorageWriter(LocalPlace(tmp_path / "ours"), thread_count=3)
+    with sharded.in_one_process():
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    files = sorted(p.name for p in (tmp_path / "ours").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    for name in files[1:]:
+        content = (tmp_path / "ours" / name).read_bytes()
+        assert writer.written[name] == (len(content), zlib.crc32(content))
+    assert any(record.data_offset == -1 for records in writer.records.values() for record in records)
+    _assert_equal(_load_ours(tmp_path, writer, _blank(state)), state)
+    loaded = _blank(state)
+    with sharded.in_one_process():
+        dcp.load(loaded, checkpoint_id=tmp_path / "ours", no_dist=True)
+    _assert_equal(loaded, state)

@@ -5,7 +5,6 @@ sealed by one rank: renamed into place on a local file system, committed by its 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import secrets
 import time
@@ -87,7 +86,9 @@ class ShardedSaver(DirectorySaver):
 
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.2.0
-        ``dirname`` may be an fsspec URL, with ``storage_options``.
+        ``dirname`` may be an fsspec URL, with ``storage_options``. Each rank writes DCP's files itself, straight
+        from its tensors' memory, and the manifest records each entry's CRC-32: a load reads each entry straight into
+        place and checks it as it arrives, instead of verifying every file whole first.
     """
 
     ext = "dcp"
@@ -378,20 +379,24 @@ class ShardedSaver(DirectorySaver):
 
 
 def share(state: Any, rank: int, world_size: int, keeper: int) -> Any:
-    """This rank's share of a state that every rank holds alike (a DDP model, a trainer): its tensors are dealt
-    round-robin over the ranks, everything else is kept by ``keeper``.
+    """This rank's share of a state that every rank holds alike (a DDP model, a trainer): its tensors are dealt over
+    the ranks, each to the rank with the fewest bytes dealt so far; everything else is kept by ``keeper``.
 
-    Every rank then writes, and an asynchronous save stages, about ``1/world_size`` of such objects instead of all
-    of them. Lists holding tensors stay whole with ``keeper`` (their positions are part of the names).
+    Every rank then writes, and an asynchronous save stages, about ``1/world_size`` of the bytes of such objects
+    instead of all of them. Dealt by size, not in turn: a model of linear layers dealt in turn over 2 ranks gives one
+    rank every weight and the other every bias (12 x ``Linear(2048, 2048)``: 201 MB against 98 KB), and the save
+    waits for the first. Lists holding tensors stay whole with ``keeper`` (their positions are part of the names).
 
     Returns:
         The share, :data:`ignite_zero.tree.OMIT` in place of what this rank does not keep.
     """
-    dealt = itertools.count()
+    dealt = [0] * world_size
 
     def deal(_: tree.Path, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return value if next(dealt) % world_size == rank else tree.OMIT
+            to = dealt.index(min(dealt))
+            dealt[to] += value.numel() * value.element_size()
+            return value if to == rank else tree.OMIT
         return value if rank == keeper else tree.OMIT
 
     def whole(value: Any) -> bool:  # only mappings that hold tensors are dealt item by item

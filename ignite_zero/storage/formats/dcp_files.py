@@ -27,7 +27,7 @@ import os
 import pickle
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
@@ -118,15 +118,32 @@ class _Output:
             archive = torch_zip.write_archive(self.write, tensor)
             data = archive.record("data/0")
             return self._entry(EntryRecord(offset, archive.size, archive.crc, offset + data.offset, data.crc))
-        buffer = io.BytesIO()  # 4 GiB or more: torch.save's zip64 records (a copy; rare enough)
-        torch.save(tensor, buffer)
-        record = self.value(buffer.getbuffer())
-        return dataclasses.replace(record, data_offset=-1)
+        passing = _Passing(self)  # 4 GiB or more: torch.save writes its zip64 records, read back whole by a load
+        torch.save(tensor, cast(IO[bytes], passing))
+        return self._entry(EntryRecord(offset, self.size - offset, passing.crc, -1, 0))
 
     def _entry(self, record: EntryRecord) -> EntryRecord:
         self.crc = zlib_ng.crc32_combine(self.crc, record.crc, record.length)
         self.records.append(record)
         return record
+
+
+class _Passing(io.RawIOBase):
+    """What ``torch.save`` writes, passed on to a file being written, its CRC-32 computed on the way."""
+
+    def __init__(self, output: _Output) -> None:
+        super().__init__()
+        self._output = output
+        self.crc = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._output.write(view)
+        self.crc = zlib_ng.crc32(view, self.crc)
+        return view.nbytes
 
 
 class PlaceStorageWriter(StorageWriter):
