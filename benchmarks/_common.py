@@ -40,7 +40,6 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 __all__ = [
     "Measurement",
     "ZeROParameters",
-    "arguments",
     "each_configuration",
     "fsdp2_adam_after_one_step",
     "interleaved",
@@ -240,19 +239,12 @@ def parser(description: str, params: list[float], paths: Sequence[str] = ()) -> 
     return parser
 
 
-def arguments(
-    description: str, params: list[float], argv: list[str] | None, paths: Sequence[str] = ()
-) -> argparse.Namespace:
-    """The parsed command line of :func:`parser`."""
-    return parser(description, params, paths).parse_args(argv)
-
-
 def each_configuration(
     rank_fn: Callable[..., Any], args: argparse.Namespace, name: str, table: Callable[[dict[tuple[int, int], Any]], str]
-) -> None:
+) -> dict[tuple[int, int], Any]:
     """``rank_fn(rank, world_size, parameters, runs, directory, *paths)`` on every size and world size, each in a
     scratch directory of its own; print the table of the ranks' results by ``(parameters, world size)`` as each
-    configuration ends (a long run shows what it has)."""
+    configuration ends (a long run shows what it has). Return those results, for a chart."""
     directory = scratch_directory() / f"ignite_zero-{name}"
     results = {}
     for count in map(int, args.params):
@@ -263,6 +255,7 @@ def each_configuration(
             results[(count, world_size)] = launch(rank_fn, world_size, count, args.runs, directory, *paths)
             print(f"{count / 1e6:.0f}M parameters on {world_size} ranks:\n{table(results)}\n", flush=True)
     shutil.rmtree(directory, ignore_errors=True)
+    return results
 
 
 def summary(values: Sequence[float]) -> tuple[float, float, float]:

@@ -14,6 +14,8 @@ three paths after a warm-up round:
   with ``ZeroRedundancyOptimizer.consolidate_state_dict``;
 - ``torch.save``: the floor, one process writing the same consolidated state, plus an fsync.
 
+``--plot PATH`` also writes the medians (with min and max) and the memory growth as a PNG chart.
+
 The table gives min/median/max seconds, GB/s (file size / median), each path's median against the floor's
 and ignite's, and the peak growth of resident memory on the recipient (against the full state) and on the
 worst other rank (against its optimizer shard), sampled every 5 ms (see ``_common.py``). The floor is timed
@@ -31,13 +33,14 @@ import torch
 import torch.distributed as dist
 from _common import (
     ZeROParameters,
-    arguments,
     each_configuration,
     interleaved,
     measure,
+    parser,
     summary,
     zero_adam_after_one_step,
 )
+from _plot import add_plot_option, save_panels, write_chart
 from ignite.engine import Engine
 from ignite.handlers import Checkpoint as IgniteCheckpoint
 from ignite.handlers import DiskSaver as IgniteDiskSaver
@@ -138,8 +141,13 @@ def _table(results: dict[tuple[int, int], list[dict[str, Any]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = arguments(__doc__, [25e6, 100e6], argv, PATHS)
-    each_configuration(_rank, args, "consolidate", _table)
+    command = parser(__doc__, [25e6, 100e6], PATHS)
+    add_plot_option(command)
+    args = command.parse_args(argv)
+    results = each_configuration(_rank, args, "consolidate", _table)
+    if args.plot:
+        title = "Consolidated save of ZeRO (Adam) state: ignite_zero, ignite 0.5.5, and torch.save in one process"
+        write_chart(args.plot, title, save_panels(results))
 
 
 if __name__ == "__main__":

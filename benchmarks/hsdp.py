@@ -15,7 +15,8 @@ Every configuration shards linear layers of 2048 x 2048 with FSDP2 over a 2 x 2 
 
 The table gives min/median/max seconds, each path's median against ``get_state_dict``'s (target: at most 1.2),
 and the peak growth of resident memory on rank 0 and on the worst other rank, sampled every 5 ms (see
-``_common.py``). Set ``IGNITE_ZERO_BENCH_DIR`` to write elsewhere than the temporary directory.
+``_common.py``). Set ``IGNITE_ZERO_BENCH_DIR`` to write elsewhere than the temporary directory. ``--plot PATH``
+also writes them as a PNG chart.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _common import each_configuration, fsdp2_adam_after_one_step, interleaved, measure, parser, summary
+from _plot import add_plot_option, save_panels, write_chart
 from ignite.engine import Engine
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -98,10 +100,13 @@ def _table(results: dict[tuple[int, int], list[dict[str, Any]]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     command = parser(__doc__, [25e6, 100e6], PATHS)
     command.set_defaults(world_sizes=[4])
+    add_plot_option(command)
     args = command.parse_args(argv)
     if any(size % 2 or size < 4 for size in args.world_sizes):
         command.error("HSDP needs a 2 x N mesh: world sizes of 4, 6, 8...")
-    each_configuration(_rank, args, "hsdp", _table)
+    results = each_configuration(_rank, args, "hsdp", _table)
+    if args.plot:
+        write_chart(args.plot, "Consolidated save of HSDP state: ignite_zero and get_state_dict", save_panels(results))
 
 
 if __name__ == "__main__":

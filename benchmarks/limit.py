@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     results: Results = {}
     for target in args.targets:
         root = Path("/dev/shm") if target == "tmpfs" else (args.disk or scratch_directory())
-        directory = root / "ignite_zero-limit"
+        directory = root / f"ignite_zero-limit-{os.getpid()}"  # runs side by side never share it
         for kind in args.kinds:
             for world_size in args.world_sizes:
                 shutil.rmtree(directory, ignore_errors=True)

@@ -28,7 +28,8 @@ tensors go back to the system instead of hiding later growth.
 
 The bounds on a rank's memory: a rank that is not the recipient grows by at most twice the largest
 FSDP unit's state (parameters and Adam state) plus 16 MiB, during saves and loads; the recipient (the writing
-rank for ignite) by at most 1.1 times the full state.
+rank for ignite) by at most 1.1 times the full state. ``--plot PATH`` also draws the seconds and each rank's growth
+as a PNG chart.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _common import Measurement, launch, loopback_s3, measure, scratch_directory
+from _plot import Panel, add_plot_option, write_chart
 from ignite.engine import Engine
 from ignite.handlers import Checkpoint as IgniteCheckpoint
 from ignite.handlers import DiskSaver as IgniteDiskSaver
@@ -228,6 +230,26 @@ def _ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}" if theirs >= MiB else "-"
 
 
+def _measured(ranks: list[dict[str, Any]], op: str) -> tuple[dict[str, tuple[int, int, float]], list[str]]:
+    """Each path's growth on the recipient (the writer for ignite) and on the worst other rank, and its slowest
+    rank's seconds; and the lines of the paths that failed."""
+    measured: dict[str, tuple[int, int, float]] = {}
+    failed = []
+    paths = [("ignite_zero", RECIPIENT), ("ignite", IGNITE_WRITER)]
+    if op == "load":
+        paths.insert(1, ("ignite_zero s3", RECIPIENT))
+    for path, writer in paths:
+        cells = [ranks[writer]["results"][(op, path)]]
+        cells += [rank["results"][(op, path)] for index, rank in enumerate(ranks) if index != writer]
+        failures = [cell for cell in cells if isinstance(cell, str)]
+        if failures:
+            failed.append(f"{op:5} {path:12} failed: {failures[0]}")
+            continue
+        recipient, *others = (cell.growth if op == "save" else cell.anon_growth for cell in cells)
+        measured[path] = (recipient, max(others), max(cell.seconds for cell in cells))
+    return measured, failed
+
+
 def _table(results: dict[str, list[dict[str, Any]]]) -> str:
     unit = _unit_state_bytes()
     other_bound = 2 * unit + 16 * MiB
@@ -243,19 +265,8 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
     for kind, ranks in results.items():
         full = ranks[RECIPIENT]["full_bytes"]
         for op in ("save", "load"):
-            measured: dict[str, tuple[int, int, float]] = {}
-            paths = [("ignite_zero", RECIPIENT), ("ignite", IGNITE_WRITER)]
-            if op == "load":
-                paths.insert(1, ("ignite_zero s3", RECIPIENT))
-            for path, writer in paths:
-                cells = [ranks[writer]["results"][(op, path)]]
-                cells += [rank["results"][(op, path)] for index, rank in enumerate(ranks) if index != writer]
-                failures = [cell for cell in cells if isinstance(cell, str)]
-                if failures:
-                    lines.append(f"{kind:6} {op:5} {path:12} failed: {failures[0]}")
-                    continue
-                recipient, *others = (cell.growth if op == "save" else cell.anon_growth for cell in cells)
-                measured[path] = (recipient, max(others), max(cell.seconds for cell in cells))
+            measured, failed = _measured(ranks, op)
+            lines += [f"{kind:6} {line}" for line in failed]
             for path, (recipient, other, seconds) in measured.items():
                 recipient_bound = 1.1 * full if op == "save" else other_bound
                 met = recipient <= recipient_bound and other <= other_bound
@@ -277,9 +288,27 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def _chart(results: dict[str, list[dict[str, Any]]]) -> list[Panel]:
+    """Seconds of saves and loads, and memory per rank: the recipient's and the worst other rank's growth."""
+    values: dict[str, dict[str, dict[str, float]]] = {name: {} for name in ("seconds", "recipient", "other")}
+    for kind, ranks in results.items():
+        for op in ("save", "load"):
+            measured, _ = _measured(ranks, op)
+            group = f"{kind} {op}"
+            values["seconds"][group] = {path: seconds for path, (_, _, seconds) in measured.items()}
+            values["recipient"][group] = {path: recipient / MiB for path, (recipient, _, _) in measured.items()}
+            values["other"][group] = {path: other / MiB for path, (_, other, _) in measured.items()}
+    return [
+        Panel("seconds, slowest rank", "seconds (log scale)", values["seconds"], log=True),
+        Panel("growth of the rank that writes (ignite_zero's recipient, ignite's writer)", "MiB", values["recipient"]),
+        Panel("growth of the worst other rank", "MiB", values["other"]),
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", nargs="+", default=list(WORLD_SIZES), choices=list(WORLD_SIZES))
+    add_plot_option(parser)
     args = parser.parse_args(argv)
     directory = scratch_directory() / f"ignite_zero-memory-{os.getpid()}"
     directory.mkdir(parents=True)
@@ -299,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
             path.unlink()
         directory.rmdir()
     print(_table(results))
+    if args.plot:
+        write_chart(args.plot, "FSDP checkpoints: ignite_zero against ignite 0.5.5, per rank", _chart(results))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ what to save (the recipient's decision wins), the saver consolidates and writes,
 outcome, so that an error on one rank is an error on all of them instead of a hang. A save that holds no sharded
 object waits for nobody, as in ignite: the recipient writes, and it tells the other ranks its decision and
 its failures through the store, which they read without waiting. Where and how checkpoints are written is the
-saver's business (:mod:`ignite_zero.storage`); asynchronous saves run through :mod:`ignite_zero.background`.
+saver's business (``ignite_zero.storage``); asynchronous saves run through ``ignite_zero.background``.
 """
 
 from __future__ import annotations
@@ -97,12 +97,12 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         sync_timeout: seconds every rank waits for the others to reach the same save (default 120).
         async_save: save in the background. The training loop waits only while each rank copies its part of
             the state into host buffers kept for the next save (pinned for CUDA tensors; see
-            :mod:`ignite_zero.staging` for their memory); gathering and writing go on in a thread, over a gloo
+            ``ignite_zero.staging`` for their memory); gathering and writing go on in a thread, over a gloo
             group of their own. The next save waits for the previous one, and so do the end of the run and an
             exception in it; an error of a background save is raised there, on every rank, or by :meth:`wait`.
             ``last_checkpoint`` and ``SAVED_CHECKPOINT`` follow once the file is durable. Handlers pair their
             background rounds by the checkpoints they write, whatever order ranks create them in (see
-            :mod:`ignite_zero.background`); a handler other than ours then runs in that thread too.
+            ``ignite_zero.background``); a handler other than ours then runs in that thread too.
 
     Examples:
         .. code-block:: python
@@ -177,7 +177,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
 
     @property
     def saver(self) -> Saver:
-        """``save_handler`` behind the saver protocol (:mod:`ignite_zero.storage`); follows a reassigned handler."""
+        """``save_handler`` behind the saver protocol (``ignite_zero.storage``); follows a reassigned handler."""
         handler, saver = self._saver
         if handler is not self.save_handler:
             saver = as_saver(self.save_handler)

@@ -22,6 +22,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+import ignite
+import torch
+
+from ignite_zero import __version__
 from ignite_zero.exporting import DTYPES, export
 from ignite_zero.storage.files import DiskSaver
 from ignite_zero.storage.formats import IntegrityError, Reader, reader_for
@@ -164,6 +168,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Inspect, verify, consolidate and export ignite_zero checkpoints.",
         epilog="Each command's --help lists its exit statuses.",
     )
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True)
     raw = argparse.RawDescriptionHelpFormatter
     storage = argparse.ArgumentParser(add_help=False)
@@ -247,6 +252,11 @@ def _parser() -> argparse.ArgumentParser:
         "--max-shard-size", type=_byte_size, default="5GB", help="largest file, e.g. 5GB, 500MB (default: 5GB)"
     )
     return parser
+
+
+def _version() -> str:
+    """This package's version, and those of the torch and ignite it runs with: what a bug report needs."""
+    return f"ignite-zero {__version__} (torch {torch.__version__}, pytorch-ignite {ignite.__version__})"
 
 
 def _byte_size(text: str) -> int:

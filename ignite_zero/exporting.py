@@ -24,6 +24,7 @@ import torch
 
 from ignite_zero.storage.formats import IntegrityError, Reader, reader_for
 from ignite_zero.storage.formats.base import ExportedTensor
+from ignite_zero.storage.places import place_of
 
 __all__ = ["DTYPES", "export"]
 
@@ -100,7 +101,8 @@ def export(
     reader = reader_for(source, storage_options)
     if reader.identity() is None:
         raise FileNotFoundError(f"Checkpoint {source} does not exist")
-    reader.verify(whole=False)  # each tensor is checked as it is read
+    # mapped tensors are not checked as they are read: all of them first; tensors read by ranges are checked as read
+    reader.verify(whole=place_of(source, storage_options).maps_files)
     entries, aliases = _entries(reader, only, dtype)
     shards = _shards(entries, max_shard_size)
     partial = target.with_name(f".{target.name}.ignite_zero-{uuid.uuid4().hex[:12]}.tmp")

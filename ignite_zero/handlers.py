@@ -32,7 +32,7 @@ class ConsolidateZeROHandler:
     Works with :class:`torch.distributed.optim.ZeroRedundancyOptimizer` (argument ``to``), fairscale's ``OSS``
     (argument ``recipient_rank``) and any optimizer with a ``consolidate_state_dict`` method, whose recipient
     argument is read from its signature. For ZeRO and OSS the shards travel once, to the recipient only, as raw
-    tensors (:mod:`ignite_zero.transport`), instead of the optimizers' own pickled broadcast to every rank; the
+    tensors (``ignite_zero.transport``), instead of the optimizers' own pickled broadcast to every rank; the
     result is the same.
 
     Args:

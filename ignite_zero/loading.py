@@ -2,22 +2,25 @@
 
 A checkpoint is read through the reader of its format (:mod:`ignite_zero.storage.formats`): a file (a
 consolidated save) or a directory (a sharded save, :class:`~ignite_zero.ShardedSaver`). This module is the policy
-of loading: who reads, who verifies, who is sent what, and that every object is restored or none.
+of loading: who reads, who verifies, who is sent what, and that every object is restored or none (short of a
+corrupt block found while reading into place, below).
 
 When ``to_load`` holds sharded objects and several ranks run, loading is a collective in three rounds of
 agreement (:func:`ignite_zero.agreement.settle`):
 
 1. Every rank says whether it sees the file (and which: size and integrity trailer), and what part of each
    sharded entry it needs (:meth:`ShardedState.part_needed`).
-2. Ranks that see the file open it with ``mmap``, so ranks of one host share its pages instead of holding
-   one private copy each; one rank per host verifies its integrity. The first rank that sees it sends every
-   rank that does not (a private or node-local directory) only the part it asked for. Every rank then
-   checks its entries, and nothing is loaded anywhere unless every check passed.
-3. Every rank restores its objects, and learns whether all others did. From an object store, FSDP objects read
-   their parts of the file here, as they copy them in (:mod:`ignite_zero.deferred`): one tensor's part at a time
-   in memory, and a read that fails leaves them partly restored, with the same error on every rank.
+2. Ranks that see the file read its structure, checked: the entries, their tensors still to be read
+   (:mod:`ignite_zero.deferred`). The first rank that sees it, where some rank does not (a private or node-local
+   directory), verifies it whole, maps it with ``mmap`` and sends every rank that does not see it only the part it
+   asked for. Every rank then checks its entries, and nothing is loaded anywhere unless every check passed.
+3. Every rank restores its objects, and learns whether all others did. Each reads here what it loads, once:
+   modules their tensors, FSDP objects their parts of each tensor, a ZeRO optimizer its partition, straight into
+   the tensors they are loaded into where the layouts allow, each block checked as it arrives. A corrupt block
+   leaves the objects partly restored, with the same error on every rank.
 
-With plain objects only, or without a process group, loading is local, as in ignite.
+With plain objects only, or without a process group, loading is local, as in ignite, and every tensor is read into
+new memory, checked, before anything is loaded: a corrupt record changes nothing.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ def _restore(
     rank, world_size = rank_and_world()
     if not _collective(objects):
         local = entries_of(objects, checkpoint) if reader is None else _verified(reader).entries(objects, weights_only)
-        local = _for_plain_optimizers(objects, local)
+        # read whole into new tensors, each checked, before anything changes: a corrupt record changes nothing
+        local = _for_plain_optimizers(objects, deferred.realize_all(local))
         _pair(objects, local, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
         _pair(objects, local, lambda path, obj, entry: _load_entry(obj, entry, kwargs))
         return
@@ -106,6 +110,9 @@ def _restore(
     try:
         if reader is None:
             entries = entries_of(objects, checkpoint)
+        elif identity is not None and _serves(rank, seers, world_size):  # reads for others: all of it, mapped
+            reader.verify(whole=True)
+            entries = entries_of(objects, reader.load(weights_only))
         elif identity is not None:
             if _verifies(rank, reports, seers):
                 reader.verify(whole=False)
@@ -156,6 +163,11 @@ def _verifies(rank: int, reports: list[_Report], seers: list[int]) -> bool:
     """One rank per host checks the whole file: the others read the same pages."""
     host = reports[rank][0]
     return rank == next(r for r in seers if reports[r][0] == host)
+
+
+def _serves(rank: int, seers: list[int], world_size: int) -> bool:
+    """Whether this rank reads the checkpoint for ranks that cannot see it (see :func:`_distribute`)."""
+    return len(seers) < world_size and rank == seers[0]
 
 
 def _distribute(entries: Any, needs: list[Any], seers: list[int]) -> Any:
@@ -232,10 +244,35 @@ def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:
 
 
 def _load_entry(obj: Any, entry: Any, kwargs: Mapping) -> None:
+    """Restore ``obj`` from ``entry``, whose tensors may be deferred: read straight into ``obj``'s own tensors where
+    ``obj`` is a module or an adapter that reads its parts itself, else into new ones first."""
     if isinstance(entry, Filled):
         obj.load_sharded(entry.state)
-    else:
+    elif isinstance(obj, ShardedState) and obj.loads_deferred:
         obj.load_state_dict(entry, **_module_kwargs(obj, kwargs))
+    elif isinstance(obj, nn.Module) and isinstance(entry, Mapping):
+        _read_into_module(obj, entry)
+        obj.load_state_dict(entry, **kwargs)
+    else:
+        obj.load_state_dict(deferred.realize_all(entry), **_module_kwargs(obj, kwargs))
+
+
+def _read_into_module(module: nn.Module, entry: Any) -> None:
+    """Read the deferred tensors of a module's state dict ``entry`` straight into the module's parameters and
+    buffers where they fit, the others into new tensors; ``entry`` then holds those tensors themselves, which
+    ``load_state_dict`` copies onto themselves at no cost (and runs its hooks and extra state as usual)."""
+    own = module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, value in list(entry.items()):
+            if not (isinstance(value, torch.Tensor) and value.is_meta):
+                entry[name] = deferred.realize_all(value)
+                continue
+            target = own.get(name)
+            if isinstance(target, torch.Tensor) and (target.shape, target.dtype) == (value.shape, value.dtype):
+                deferred.copy_into(target.detach(), value)
+                entry[name] = target
+            else:  # a shape or dtype that load_state_dict refuses or converts: it says so, as usual
+                entry[name] = deferred.realize(value)
 
 
 def _module_kwargs(obj: Any, kwargs: Mapping) -> Mapping:

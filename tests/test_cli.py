@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import ignite
 import pytest
 import torch
 from ignite.engine import Engine
@@ -11,6 +12,7 @@ from launcher import run_ranks
 from torch.nn.parallel import DistributedDataParallel
 from training import assert_state_equal, tiny_model, train_step, zero_adam
 
+import ignite_zero
 from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
 from ignite_zero.cli import main
 
@@ -144,6 +146,13 @@ def test_help_for_each_command_documents_its_exit_statuses(capsys):
             assert '"entries": [{"key": str' in output.out  # the JSON schema
     status, output = _help(capsys, "inspect")
     assert status == 2 and "the following arguments are required: path" in output.err
+
+
+def test_version_names_the_package_torch_and_ignite():
+    result = _cli("--version")
+    assert result.returncode == 0, result.stderr
+    expected = f"ignite-zero {ignite_zero.__version__} (torch {torch.__version__}, pytorch-ignite {ignite.__version__})"
+    assert result.stdout.strip() == expected
 
 
 def _sharded_checkpoint(rank, world_size, dirname):

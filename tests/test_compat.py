@@ -12,7 +12,7 @@ from ignite_zero import _compat
 ROOT = Path(__file__).parent.parent
 
 
-def test_setup_cfg_readme_and_compat_declare_the_same_minimum_torch():
+def test_setup_cfg_the_compatibility_page_and_compat_declare_the_same_minimum_torch():
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
     lines = config["options"]["install_requires"].split("\n")
@@ -20,5 +20,5 @@ def test_setup_cfg_readme_and_compat_declare_the_same_minimum_torch():
     (torch_requirement,) = [r for r in requirements if r.name == "torch"]
     (floor,) = [spec.version for spec in torch_requirement.specifier if spec.operator == ">="]
     assert _compat.MIN_TORCH_VERSION == Version(floor)
-    assert f"``torch >= {floor}``" in (ROOT / "README.rst").read_text()
+    assert f"``torch >= {floor}``" in (ROOT / "docs" / "compatibility.rst").read_text()
     assert _compat.TORCH_VERSION >= _compat.MIN_TORCH_VERSION, torch.__version__

@@ -1,8 +1,9 @@
 """The documentation's examples run: every ``Examples:`` block of ignite_zero's docstrings and every Python block of
-README.rst, executed for real on the ranks each one needs.
+README.rst and of the pages under docs/, executed for real on the ranks each one needs.
 
 The collector takes each ``.. code-block:: python`` under ``Examples:`` in the docstring of every module, class,
-function, method and property that ignite_zero defines, and each Python block of README.rst, named by its section.
+function, method and property that ignite_zero defines, and each Python block of README.rst and of docs/*.rst, named
+by its file and section.
 Every one of them has an entry in ``EXAMPLES``: the number of gloo ranks it runs on (``0``: one process without a
 process group) and the setup that supplies the names the surrounding prose takes as given. A snippet sees:
 
@@ -46,6 +47,7 @@ import torch.distributed as dist
 from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
 from ignite.engine import Engine, Events
 from launcher import run_ranks
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
@@ -56,6 +58,7 @@ from ignite_zero import Checkpoint, DiskSaver
 from ignite_zero.adapters import FairscaleFSDPOptimizerState, FSDPOptimizerState, ZeROState
 
 README = Path(__file__).parent.parent / "README.rst"
+PAGES = sorted((Path(__file__).parent.parent / "docs").glob("*.rst"))
 CPU = torch.device("cpu")
 
 
@@ -119,9 +122,9 @@ def docstring_examples() -> dict[str, str]:
     return found
 
 
-def readme_examples() -> dict[str, str]:
-    """Every Python block of README.rst, by ``README: <section title>`` (``#2`` for a second in a section)."""
-    lines = README.read_text().splitlines()
+def rst_examples(path: Path, label: str) -> dict[str, str]:
+    """Every Python block of an rst file, by ``<label>: <section title>`` (``#2`` for a second in a section)."""
+    lines = path.read_text().splitlines()
     titles = [
         index
         for index, (line, underline) in enumerate(zip(lines, lines[1:]))
@@ -130,8 +133,17 @@ def readme_examples() -> dict[str, str]:
     found: dict[str, str] = {}
     for title, end in zip(titles, [*titles[1:], len(lines)]):
         for number, code in enumerate(_code_blocks("\n".join(lines[title + 2 : end])), 1):
-            found[f"README: {lines[title].strip()}" + ("" if number == 1 else f"#{number}")] = code
+            found[f"{label}: {lines[title].strip()}" + ("" if number == 1 else f"#{number}")] = code
     return found
+
+
+def readme_examples() -> dict[str, str]:
+    return rst_examples(README, "README")
+
+
+def page_examples() -> dict[str, str]:
+    """Every Python block of the documentation's pages, by ``docs/<page>.rst: <section title>``."""
+    return {name: code for page in PAGES for name, code in rst_examples(page, f"docs/{page.name}").items()}
 
 
 def test_the_collector_finds_every_examples_section_in_the_source():
@@ -142,7 +154,17 @@ def test_the_collector_finds_every_examples_section_in_the_source():
     )
     found = {name.split("#")[0] for name in docstring_examples()}
     assert headings == len(found) > 20
-    assert README.read_text().count(".. code-block:: python") == len(readme_examples()) > 5
+    assert README.read_text().count(".. code-block:: python") == len(readme_examples()) == 3
+    in_pages = sum(page.read_text().count(".. code-block:: python") for page in PAGES)
+    assert in_pages == len(page_examples()) > 10
+
+
+def test_the_api_reference_documents_every_public_name():
+    """docs/api.rst has an autodoc directive (or a ``py:data``) for each name of ``ignite_zero.__all__``, and no
+    other; the build (``sphinx-build -W -n``) fails on a name without docstring."""
+    api = (README.parent / "docs" / "api.rst").read_text()
+    documented = re.findall(r"^\.\. (?:auto\w+|py:data):: (\w+)$", api, re.MULTILINE)
+    assert sorted(documented) == sorted(ignite_zero.__all__)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -302,6 +324,11 @@ def _bf16_weights(namespace: dict[str, Any], rank: int) -> None:
         torch.testing.assert_close(tensor, expected[name].to(torch.bfloat16))
 
 
+def _exported_bf16(namespace: dict[str, Any], rank: int) -> None:
+    assert namespace["files"] == [Path("hf/model/model.safetensors")]
+    _bf16_weights({**namespace, "weights": load_file(namespace["files"][0])}, rank)
+
+
 def _full_on_recipient(namespace: dict[str, Any], rank: int) -> None:
     assert ("state" in namespace["full"]) == (rank == 0), namespace["full"].keys()
 
@@ -365,19 +392,34 @@ EXAMPLES: dict[str, Example] = {
     "ignite_zero.adapters.fsdp.FSDPModelState": Example(2, fsdp, ("ckpt/checkpoint_2.pt",)),
     "ignite_zero.adapters.fsdp.FSDPOptimizerState": Example(2, _saved(fsdp, "ckpt"), check=_named_optimizer_state),
     "ignite_zero.adapters.fsdp.full_optimizer_state_to_plain": Example(1, plain_after_fsdp, check=_loaded_into_plain),
-    "README: Object storage": Example(2, object_store, check=_in_the_bucket("run/checkpoint_2.pt", "sharded")),
     "README: Usage": Example(2, zero, ("ckpt/checkpoint_2.pt", "ckpt/checkpoint_3.pt")),
-    "README: FSDP": Example(2, parts, ("ckpt/checkpoint_2.pt",)),
-    "README: ZeRO and OSS": Example(2, zero, check=_global_zero_state),
-    "README: Sharded checkpoints": Example(2, zero, ("ckpt/checkpoint_3.dcp/ignite_zero.json",)),
-    "README: Which ranks a save waits for": Example(2, ddp_and_sgd, ("models/run_checkpoint_2.pt",)),
-    "README: Resume from the newest valid checkpoint": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
-    "README: Saving on a signal": Example(0, with_checkpoint, check=_not_stopped),
+    "README: Usage#2": Example(2, parts, ("ckpt/checkpoint_2.pt",)),
+    "README: Usage#3": Example(2, object_store, check=_in_the_bucket("run/checkpoint_2.dcp/ignite_zero.json")),
+    "docs/getting-started.rst: First checkpoint": Example(2, zero, ("ckpt/checkpoint_2.pt", "ckpt/checkpoint_3.pt")),
+    "docs/saving-and-loading.rst: Consolidated checkpoints": Example(
+        2, zero, ("ckpt/checkpoint_2.pt", "ckpt/checkpoint_3.pt")
+    ),
+    "docs/saving-and-loading.rst: Sharded checkpoints": Example(2, zero, ("ckpt/checkpoint_3.dcp/ignite_zero.json",)),
+    "docs/saving-and-loading.rst: Which ranks a save waits for": Example(
+        2, ddp_and_sgd, ("models/run_checkpoint_2.pt",)
+    ),
+    "docs/fsdp.rst: FSDP, HSDP and tensor parallelism": Example(2, parts, ("ckpt/checkpoint_2.pt",)),
+    "docs/fsdp.rst: What is saved": Example(2, parts, ("ckpt/checkpoint_2.pt",)),
+    "docs/zero.rst: ZeRO and OSS": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
+    "docs/zero.rst: Consolidation": Example(2, zero, check=_global_zero_state),
+    "docs/object-storage.rst: Object storage": Example(
+        2, object_store, check=_in_the_bucket("run/checkpoint_2.pt", "sharded")
+    ),
+    "docs/export-and-cli.rst: Export and the command line": Example(
+        0, _saved(plain, "ckpt"), ("hf/model/model.safetensors",), _exported_bf16
+    ),
+    "docs/long-runs.rst: Resume from the newest valid checkpoint": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
+    "docs/long-runs.rst: Saving on a signal": Example(0, with_checkpoint, check=_not_stopped),
 }
 
 
 def all_examples() -> dict[str, str]:
-    return {**docstring_examples(), **readme_examples()}
+    return {**docstring_examples(), **readme_examples(), **page_examples()}
 
 
 def test_every_example_has_an_entry_and_every_entry_an_example():

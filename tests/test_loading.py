@@ -1,5 +1,5 @@
-"""Loading on any number of ranks with bounded memory: every rank that sees the file maps it, the first one sends
-the others only their part, and ranks that see different files, or none, fail together."""
+"""Loading on any number of ranks with bounded memory: every rank that sees the file reads its part of it, the first
+one maps it and sends the others only their part, and ranks that see different files, or none, fail together."""
 
 import ctypes
 import os
@@ -67,6 +67,7 @@ def _load_where_only_some_see_the_file(rank, world_size, dirname, seeing):
         model.module.state_dict(),
         trainer.state.iteration,
         sorted(received[0]["state"]),
+        {t.is_meta for state in received[0]["state"].values() for t in state.values()},  # still to be read?
         owned,
     )
 
@@ -78,13 +79,15 @@ def test_ranks_that_cannot_see_the_file_get_their_part_from_one_that_can(tmp_pat
     saved = torch.load(tmp_path / "checkpoint_3.pt", weights_only=True)
     results = run_ranks(_load_where_only_some_see_the_file, 3, tmp_path, seeing)
     assert_state_equal(results[0][0], saved["optimizer"])
-    for rank, (_, model_state, iteration, received, owned) in enumerate(results):
+    for rank, (_, model_state, iteration, received, deferred, owned) in enumerate(results):
         assert_state_equal(model_state, saved["model"])
         assert iteration == 3
-        if rank in seeing:  # the whole entry, mapped from the file
-            assert received == list(range(6))
+        if rank == seeing[0]:  # the whole entry, mapped from the file, which it reads for the others
+            assert received == list(range(6)) and deferred == {False}
+        elif rank in seeing:  # the whole entry, nothing read yet: it reads its partition as it loads it
+            assert received == list(range(6)) and deferred == {True}
         else:  # only the state of the parameters it owns travelled
-            assert received == list(owned) and len(owned) < 6
+            assert received == list(owned) and len(owned) < 6 and deferred == {False}
 
 
 def _different_files(rank, world_size, dirname):

@@ -171,7 +171,7 @@ class LoadPlan:
 
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
         """Copy ``source`` into ``target`` when the plan runs (reading it then, if deferred)."""
-        self._actions.append(lambda: target.copy_(deferred.realize(source)))
+        self._actions.append(lambda: deferred.copy_into(target, source))
 
     def call(self, func: Callable[[Any], Any], value: Any) -> None:
         """Call ``func(value)`` when the plan runs (reading the tensors of ``value`` then, if deferred)."""

@@ -330,7 +330,7 @@ class FairscaleFSDPModelState(_FairscaleState):
 
     Supported: nested units, ``flatten_parameters=False``, ``mixed_precision`` (floating buffers are saved as
     float32), ``move_params_to_cpu``/``cpu_offload``, ``reshard_after_forward``, tied parameters within a unit.
-    Refused by :meth:`check`, with a clear error on every rank before any collective: no CUDA; units that shard over
+    Refused by ``check()``, with a clear error on every rank before any collective: no CUDA; units that shard over
     a subgroup of the world; parameters shared between units (``append_shared_param``); a module that also holds
     torch FSDP units. Sharded checkpoints (:class:`~ignite_zero.ShardedSaver`) are not supported yet.
 
@@ -402,7 +402,7 @@ class FairscaleFSDPOptimizerState(_FairscaleState):
     one rank.
 
     ``state_dict()`` is a collective returning on the recipient the state in the format of
-    :class:`~ignite_zero.adapters.FSDPOptimizerState` (``get_optimizer_state_dict(..., full_state_dict=True)``'s):
+    :class:`~ignite_zero.FSDPOptimizerState` (``get_optimizer_state_dict(..., full_state_dict=True)``'s):
     ``{"state": {name: {"step": ..., "exp_avg": ...}}, "param_groups": [{..., "params": [name, ...]}]}``, plain CPU
     tensors, any number of parameter groups; ``{}`` elsewhere. An optimizer that has not stepped yet gives
     ``"state": {}``. ``load_state_dict()`` restores the optimizer from such a state saved on any number of ranks by
@@ -410,7 +410,7 @@ class FairscaleFSDPOptimizerState(_FairscaleState):
     name, and copies into the optimizer's existing state tensors when they fit. Element-wise state (laid out like
     the parameters) and scalar state are supported: Adam, AdamW, SGD with momentum, and the like.
 
-    An optimizer of such a model without the model in ``to_save`` is refused (:func:`ignite_zero.adapters.adapt`):
+    An optimizer of such a model without the model in ``to_save`` is refused (``ignite_zero.adapters.adapt``):
     its state is this rank's shard only.
 
     Args:

@@ -626,7 +626,7 @@ def _param_state(
                 if entry is None:  # a parameter without saved state (never updated): zero, as the optimizer starts
                     part.zero_()
                 elif slot.length:
-                    part.copy_(deferred.realize(slot.full_part(entry[key])))
+                    deferred.copy_into(part, slot.full_part(entry[key]))
             state[key] = result
         elif isinstance(value, torch.Tensor):
             # 0-d (`step`) stays on the CPU as saved; the optimizer moves it where it wants it (fused, capturable).

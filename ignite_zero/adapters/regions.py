@@ -23,6 +23,7 @@ from ignite_zero.transport import (
     DEFAULT_CHUNK_BYTES,
     StreamReceiver,
     chunk_bytes_for,
+    fill,
     receive_all,
     receive_bytes,
     resolve,
@@ -315,7 +316,11 @@ def gather_pieces(
         for r, i in picks:
             if r == ranks.rank:
                 target = pieces.regions[i].box.view(full[key])
-                target.copy_(pieces.tensors[i].detach().reshape(target.shape))
+                source = pieces.tensors[i].detach().reshape(target.shape)
+                if pieces.regions[i].box.runs() == 0:  # one run: a saver may write it from where it is
+                    fill(target, source)
+                else:
+                    target.copy_(source)
     receive_all(receivers, ranks.group)
 
     result: dict[tuple[Any, ...], Any] = {}

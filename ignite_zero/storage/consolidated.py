@@ -1,5 +1,10 @@
 """Savers that write the whole checkpoint from the full state: sharded objects are consolidated on the recipient
-first (each adapter's collective ``assemble``), then the checkpoint is written in one piece."""
+(each adapter's collective ``assemble``) and the checkpoint is written in one piece.
+
+The two overlap: the recipient receives the other ranks' parts in the background
+(:func:`ignite_zero.transport.overlapped`), and a saver that can write a tensor's bytes as they arrive
+(:meth:`ConsolidatingSaver.write_arriving`) starts writing at once.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from ignite_zero import tree
+from ignite_zero import transport, tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.staging import Stager
 from ignite_zero.storage.base import Saver, SaveRequest, unwrapped
@@ -38,6 +43,13 @@ class ConsolidatingSaver(Saver):
     @abstractmethod
     def write(self, content: Any, request: SaveRequest) -> None:
         """Write ``content`` (what the checkpoint holds, as ignite lays it out) as ``request.filename``."""
+
+    def write_arriving(self, content: Any, request: SaveRequest, arriving: transport.Overlap) -> None:
+        """:meth:`write`, while bytes of ``content``'s tensors may still be arriving from other ranks: a saver that
+        writes a tensor's bytes as ``arriving.wait_for`` says they are there overrides it; by default every byte is
+        received first."""
+        arriving.finish()
+        self.write(content, request)
 
     def save(self, objects: Any, request: SaveRequest) -> None:
         writes = self.writes_here(request)
@@ -69,16 +81,17 @@ class ConsolidatingSaver(Saver):
 
     def _commit(self, gather: Callable[[], dict[str, Any]], writes: bool, request: SaveRequest) -> None:
         started = time.perf_counter()
-        checkpoint = gather()
-        if not writes:
-            return
-        gathered = time.perf_counter()
-        self.write(unwrapped(checkpoint, request), request)
+        with transport.overlapped() as arriving:  # leaving it waits for every stream: no sender is left waiting
+            checkpoint = gather()
+            if not writes:
+                return
+            planned = time.perf_counter()
+            self.write_arriving(unwrapped(checkpoint, request), request, arriving)
         for filename in request.removed:  # only now: the new checkpoint is durable
             self.remove(filename)
         logger.info(
-            "Checkpoint %s: state gathered in %.2f s, written in %.2f s",
+            "Checkpoint %s: gather planned in %.2f s, state received and written in %.2f s",
             request.filename,
-            gathered - started,
-            time.perf_counter() - gathered,
+            planned - started,
+            time.perf_counter() - planned,
         )

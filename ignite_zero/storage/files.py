@@ -15,9 +15,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
+import numpy
 import torch
 
-from ignite_zero import _compat
+from ignite_zero import _compat, transport, tree
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.naming import check_filename
 from ignite_zero.storage.base import SaveRequest
@@ -28,12 +29,16 @@ from ignite_zero.storage.directory import (
     package_version,
     serialized_size,
 )
+from ignite_zero.storage.formats import torch_zip
 from ignite_zero.storage.formats.file import SealingStream
 from ignite_zero.storage.places import Place
 
 __all__ = ["DiskSaver"]
 
 logger = logging.getLogger(__name__)
+
+# torch.save as this module found it: a patched one (a test's mock, say) is called instead of our own writer.
+_TORCH_SAVE = torch.save
 
 
 class DiskSaver(DirectorySaver, ConsolidatingSaver):
@@ -58,7 +63,7 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
     Differences from ignite's ``DiskSaver``, deliberate: the file and its directory are flushed to disk
     before the rename; new files get mode ``0o666 & ~umask`` (ignite adds group and world read); file names
     that would escape ``dirname`` are rejected; every file carries an integrity trailer
-    (:mod:`ignite_zero.storage.formats.file`); removing a file that is already gone logs a warning instead of raising.
+    (``ignite_zero.storage.formats.file``); removing a file that is already gone logs a warning instead of raising.
 
     Examples:
         .. code-block:: python
@@ -89,6 +94,7 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
     ) -> None:
         self._atomic = atomic
         self.kwargs = kwargs
+        self._arriving: transport.Overlap | None = None  # during a consolidated save whose state is still arriving
         super().__init__(dirname, create_dir, require_empty, save_on_rank, storage_options)
 
     def writes_here(self, request: SaveRequest) -> bool:
@@ -96,6 +102,18 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
 
     def write(self, content: Any, request: SaveRequest) -> None:
         self(content, request.filename, request.metadata)
+
+    def write_arriving(self, content: Any, request: SaveRequest, arriving: transport.Overlap) -> None:
+        """Write each slice of a tensor as soon as its bytes have arrived, where this saver writes the archive
+        itself; else (keywords for ``torch.save``, a method replaced) once every byte has."""
+        if not (self._writes_archive(content, _TORCH_SAVE) and _unchanged(self, "_save_func", "_dump")):
+            super().write_arriving(content, request, arriving)
+            return
+        self._arriving = arriving
+        try:
+            self.write(content, request)
+        finally:
+            self._arriving = None
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
         if not self.is_writer:
@@ -127,7 +145,16 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         stream = SealingStream(f)
         with _compat.serialization_crc32():
             try:
-                func(checkpoint, cast(IO[bytes], stream), **self.kwargs)
+                arriving = self._arriving
+                if self._writes_archive(checkpoint, func):
+                    # torch.save's archive, written by us straight from tensor memory: 0.30 s where torch.save took
+                    # 0.46 s, writing raw 0.28 s (0.6 GB to tmpfs, fsync, medians of 5)
+                    source = None if arriving is None else _arrived(arriving)
+                    torch_zip.write_archive(cast(IO[bytes], stream), checkpoint, source)
+                else:
+                    if arriving is not None:  # whatever writes it reads every byte: all must be there
+                        arriving.finish()
+                    func(checkpoint, cast(IO[bytes], stream), **self.kwargs)
             except Exception as error:
                 if stream.error is not None:  # the real cause, e.g. ENOSPC or EIO, instead of torch's summary
                     raise stream.error from error
@@ -136,6 +163,14 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
             stream.seal(world_size=rank_and_world()[1], torch=torch.__version__, ignite_zero=package_version())
         else:  # the legacy format is no zip: no trailer
             stream.finish()
+
+    def _writes_archive(self, checkpoint: Any, func: Callable[..., Any]) -> bool:
+        """Whether :mod:`~ignite_zero.storage.formats.torch_zip` writes ``checkpoint`` instead of ``func``: in place of
+        torch.save itself, with none of its keywords, for archives under its size limit."""
+        if func is not _TORCH_SAVE or self.kwargs:
+            return False
+        tensors = sum(isinstance(leaf, torch.Tensor) for _, leaf in tree.leaves(checkpoint))  # storages, at most
+        return torch_zip.fits(serialized_size(checkpoint), tensors)
 
     def _check_keywords(self) -> None:
         """Refuse keywords that ``torch.save`` does not take before any file is opened. At the save, not when the
@@ -152,3 +187,17 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         """Fail before writing, clearly, when the new file cannot fit beside the ones it will replace."""
         free = self.place.free_space()
         check_room(self.place, filename, serialized_size(checkpoint) if free is not None else 0, free)
+
+
+def _unchanged(saver: DiskSaver, *names: str) -> bool:
+    """Whether ``saver``'s methods ``names`` are DiskSaver's own (code written for ignite replaces ``_save_func``)."""
+    return all(name not in vars(saver) and getattr(type(saver), name) is getattr(DiskSaver, name) for name in names)
+
+
+def _arrived(arriving: transport.Overlap) -> Callable[[memoryview], list[memoryview]]:
+    """The bytes of a slice of a tensor's memory, once they have arrived (see :meth:`transport.Overlap.bytes_of`)."""
+
+    def source(piece: memoryview) -> list[memoryview]:
+        return arriving.bytes_of(numpy.frombuffer(piece, dtype=numpy.uint8).ctypes.data, piece)
+
+    return source

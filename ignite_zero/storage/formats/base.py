@@ -125,7 +125,7 @@ class Reader(ABC):
 
         Args:
             whole: check every byte wherever it lies. False: what a load needs checked before it reads, where its
-                ranks check each part they read as they read it (on an object store, a file's structure only).
+                ranks check each part they read as they read it (a file's structure only).
 
         Raises:
             IntegrityError: naming the checkpoint and what differs (incomplete, truncated, corrupt).

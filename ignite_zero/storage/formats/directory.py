@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
@@ -45,7 +44,7 @@ from ignite_zero.storage.formats.base import (
     written_by,
 )
 from ignite_zero.storage.formats.dcp_files import EntryRecord, PlaceStorageReader, PlaceStorageWriter
-from ignite_zero.storage.places import Place, RemotePlace, place_of
+from ignite_zero.storage.places import Place, place_of
 
 __all__ = [
     "MANIFEST",
@@ -111,10 +110,10 @@ def writer_for(place: Place, thread_count: int, cache_staged_state_dict: bool = 
     return DirectoryWriter(place, thread_count, cache_staged_state_dict)
 
 
-def _reader_of(place: Place) -> FileSystemReader:
-    if isinstance(place, RemotePlace):
-        return _compat.DcpFsspecReader(place.url, **place.storage_options)
-    return FileSystemReader(place.location())
+def _reader_of(place: Place) -> Any:
+    """DCP's own reader, for a directory whose manifest records no entries (written by an earlier release, or by
+    another tool): through fsspec, which reads a local directory and a URL alike."""
+    return _compat.DcpFsspecReader(str(place.location()), **(place.storage_options or {}))
 
 
 def is_sharded_checkpoint(where: str | os.PathLike | Place) -> bool:

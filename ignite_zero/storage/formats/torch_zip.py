@@ -24,7 +24,7 @@ import io
 import pickle
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -47,6 +47,8 @@ _UTF8, _DESCRIBED = 0x0800, 0x0008
 # The zip64 end record of torch's archives says "made by" 0x031e (Unix, spec 3.0) and "needs" 4.5.
 _ZIP64_MADE_BY, _ZIP64_NEEDS = 0x031E, 45
 _LIMIT = 0xFFFFFFFF
+# The records besides the storages: data.pkl, .format_version, .storage_alignment, byteorder, version, serialization id.
+_OTHER_RECORDS = 6
 # The pickle protocol of torch.save.
 _PROTOCOL = 2
 # Each slice of a record is checksummed right after it is written, while it is still in the CPU's cache: the CRC-32
@@ -102,10 +104,11 @@ def _storage_tensor(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
-def fits(nbytes: int) -> bool:
-    """Whether an archive of ``nbytes`` of storages, at any position in a file, is one this writer writes: archives
-    and records under 4 GiB (their offsets and sizes fit the fields without zip64 extensions)."""
-    return nbytes < _LIMIT - (1 << 20)
+def fits(nbytes: int, storages: int = 1) -> bool:
+    """Whether an archive of ``nbytes`` in ``storages`` storages, at any position in a file, is one this writer
+    writes: archives and records under 4 GiB, and fewer than 65535 records (their offsets, sizes and count fit the
+    fields without zip64 extensions)."""
+    return nbytes < _LIMIT - (1 << 20) and storages + _OTHER_RECORDS < 0xFFFF
 
 
 class _Pickler(pickle.Pickler):
@@ -140,7 +143,9 @@ class _Writer:
         self.archive.crc = zlib_ng.crc32(data, self.archive.crc)
         self.archive.size += len(data)
 
-    def record(self, name: str, data: bytes | memoryview) -> None:
+    def record(
+        self, name: str, data: bytes | memoryview, source: Callable[[memoryview], Iterable[memoryview]] | None = None
+    ) -> None:
         full_name = f"archive/{name}".encode()
         start = self.archive.size
         # torch pads the extra field ("FB", its length, then "Z"s) so that the data starts on the alignment
@@ -154,8 +159,9 @@ class _Writer:
         crc = 0
         for begin in range(0, view.nbytes, _SLICE):
             piece = view[begin : begin + _SLICE]
-            self._write(piece)
-            crc = zlib_ng.crc32(piece, crc)
+            for part in (piece,) if source is None else source(piece):
+                self._write(part)
+                crc = zlib_ng.crc32(part, crc)
         self.archive.crc = zlib_ng.crc32_combine(self.archive.crc, crc, view.nbytes)
         self.archive.size += view.nbytes
         self.archive.records.append(Record(name, self.archive.size - view.nbytes, view.nbytes, crc))
@@ -173,9 +179,10 @@ class _Writer:
         directory_start, directory = self.archive.size, b"".join(self._central)
         entries = len(self._central)
         zip64_end = self.archive.size + len(directory)
+        # the directory in a write of its own: a file's integrity trailer sums it by itself as it passes
+        self._put(directory)
         self._put(
-            directory
-            + _ZIP64_END.pack(
+            _ZIP64_END.pack(
                 b"PK\x06\x06",
                 _ZIP64_END.size - 12,
                 _ZIP64_MADE_BY,
@@ -193,12 +200,19 @@ class _Writer:
         return self.archive
 
 
-def write_archive(stream: IO[bytes] | Callable[[Any], object], obj: Any) -> Archive:
+def write_archive(
+    stream: IO[bytes] | Callable[[Any], object],
+    obj: Any,
+    source: Callable[[memoryview], Iterable[memoryview]] | None = None,
+) -> Archive:
     """Write ``obj`` to ``stream`` as ``torch.save(obj, stream)`` would, storages straight from their memory.
 
     Args:
         stream: a writable stream (written sequentially, never sought), or a function that writes all it is given.
         obj: what to save. Storages on an accelerator are copied to the host one at a time.
+        source: given each slice of a storage's memory before it is written, returns the bytes to write in its place,
+            in order: for a caller whose bytes are still arriving, or lie elsewhere (a consolidated save), to wait
+            for them or point to them.
 
     Returns:
         Where each record lies in what was written, and the CRC-32 of all of it.
@@ -211,14 +225,16 @@ def write_archive(stream: IO[bytes] | Callable[[Any], object], obj: Any) -> Arch
     pickler.dump(obj)
     storages = list(pickler.storages.values())
     total = sum(storage.nbytes() for _, storage in storages)
-    if not fits(total):
-        raise ValueError(f"{total} bytes of storages take zip64 records, which this writer does not write")
+    if not fits(total, len(storages)):
+        raise ValueError(
+            f"{total} bytes in {len(storages)} storages take zip64 records, which this writer does not write"
+        )
     writer = _Writer(stream.write if hasattr(stream, "write") else stream)
     writer.record("data.pkl", pickled.getbuffer())
     writer.record(".format_version", b"1")
     writer.record(".storage_alignment", str(_compat.storage_alignment()).encode())
     writer.record("byteorder", sys.byteorder.encode())
     for key, storage in storages:
-        writer.record(f"data/{key}", tensor_bytes(storage.cpu()))
+        writer.record(f"data/{key}", tensor_bytes(storage.cpu()), source)
     writer.record("version", _compat.storage_archive_version())
     return writer.finish()

@@ -1,0 +1,105 @@
+"""Charts of the benchmarks' results: ``--plot PATH`` writes a PNG of grouped bars next to the printed table.
+
+matplotlib is the ``benchmarks`` extra (``pip install -e ".[benchmarks]"``), not a dependency of the package, and is
+imported only when a chart is written, so that a benchmark without ``--plot`` runs without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Panel", "add_plot_option", "save_panels", "write_chart"]
+
+# one colour a path, the same in every panel: ours first, then the others, then the floor
+_COLOURS = ("#1f6fb4", "#d9822b", "#6b6b6b", "#3c9a5f", "#a33f3f", "#8a63b8")
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One chart of grouped bars: a group a configuration ("25M, 2 ranks"), a bar in it a path ("ignite")."""
+
+    title: str
+    unit: str
+    bars: Mapping[str, Mapping[str, float]]  # group -> path -> value
+    spread: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)  # (min, max) whiskers
+    log: bool = False
+
+
+def add_plot_option(parser: argparse.ArgumentParser) -> None:
+    """``--plot PATH`` on a benchmark's command line."""
+    parser.add_argument(
+        "--plot", metavar="PATH", help='also write the results as a PNG chart (needs the "benchmarks" extra)'
+    )
+
+
+def save_panels(results: Mapping[tuple[int, int], Sequence[Mapping[str, Any]]]) -> list[Panel]:
+    """The panels of a benchmark of saves: seconds on rank 0 (the recipient), and the peak memory growth of rank 0
+    and of the worst other rank, by configuration and path.
+
+    Args:
+        results: by ``(parameters, world size)``, each rank's ``{"records": {path: [(seconds, growth, ...)]}}``; a
+            path that ran on rank 0 only (a floor) has no bar in the other ranks' panel.
+    """
+    seconds: dict[str, dict[str, float]] = {}
+    spread: dict[str, dict[str, tuple[float, float]]] = {}
+    recipient: dict[str, dict[str, float]] = {}
+    others: dict[str, dict[str, float]] = {}
+    for (count, world_size), ranks in sorted(results.items()):
+        group = f"{count / 1e6:.0f}M, {world_size} ranks"
+        records = ranks[0]["records"]
+        seconds[group] = {path: statistics.median(r[0] for r in records[path]) for path in records}
+        spread[group] = {path: (min(r[0] for r in records[path]), max(r[0] for r in records[path])) for path in records}
+        recipient[group] = {path: max(r[1] for r in records[path]) / 2**30 for path in records}
+        others[group] = {
+            path: max(r[1] for rank in ranks[1:] for r in rank["records"][path]) / 2**30
+            for path in records
+            if all(rank["records"][path] for rank in ranks[1:]) and len(ranks) > 1
+        }
+    return [
+        Panel("seconds per save (median, min-max)", "seconds (log scale)", seconds, spread, log=True),
+        Panel("memory growth of rank 0, the recipient", "GiB", recipient),
+        Panel("memory growth of the worst other rank", "GiB", others),
+    ]
+
+
+def write_chart(path: str | Path, title: str, panels: Sequence[Panel]) -> None:
+    """Write ``panels`` side by side, under ``title``, as a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display
+    import matplotlib.pyplot as plt
+
+    paths = list(dict.fromkeys(name for panel in panels for group in panel.bars.values() for name in group))
+    colours = dict(zip(paths, _COLOURS))
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
+    for axis, panel in zip(axes[0], panels):
+        groups = list(panel.bars)
+        width = 0.8 / len(paths)
+        for index, name in enumerate(paths):
+            where = [(g, group) for g, group in enumerate(groups) if name in panel.bars[group]]
+            xs = [g + (index - (len(paths) - 1) / 2) * width for g, _ in where]
+            heights = [panel.bars[group][name] for _, group in where]
+            bars = axis.bar(xs, heights, width, label=name, color=colours[name])
+            axis.bar_label(bars, fmt="%.3g", fontsize=7, padding=1)  # a bar of 0 shows as a label, not as nothing
+            spreads = [panel.spread.get(group, {}).get(name) for _, group in where]
+            if any(spreads):
+                low = [h - s[0] if s else 0 for h, s in zip(heights, spreads)]
+                high = [s[1] - h if s else 0 for h, s in zip(heights, spreads)]
+                axis.errorbar(xs, heights, yerr=[low, high], fmt="none", ecolor="black", capsize=2, linewidth=0.8)
+        axis.set_xticks(range(len(groups)), groups)
+        axis.set_title(panel.title, fontsize=10)
+        axis.set_ylabel(panel.unit)
+        if panel.log:
+            axis.set_yscale("log")
+        axis.grid(axis="y", alpha=0.3)
+        axis.set_axisbelow(True)
+    axes[0][0].legend(fontsize=9)
+    figure.suptitle(title, fontsize=11)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

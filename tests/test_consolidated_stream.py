@@ -1,0 +1,122 @@
+"""A consolidated save written while the other ranks' state arrives: the file holds, record by record, what
+``torch.save`` writes of the same state gathered beforehand, and torch's readers, stock ignite and ``verify`` read it.
+A load reads it back into the tensors it restores.
+"""
+
+import zipfile
+
+import pytest
+import torch
+from ignite.engine import Engine
+from ignite.handlers import Checkpoint as IgniteCheckpoint
+from launcher import run_ranks
+from torch.nn.parallel import DistributedDataParallel
+from training import assert_state_equal, mixed_objects, small_net, tiny_model, train_step, zero_adam
+
+from ignite_zero import Checkpoint, DiskSaver
+from ignite_zero.adapters import ZeROState, adapt
+from ignite_zero.storage.formats.file import verify_file
+from ignite_zero.transport import Overlap
+
+pytestmark = pytest.mark.distributed
+
+_SERIALIZATION_ID = "archive/.data/serialization_id"
+
+
+def _save_both_ways(rank, world_size, tmp_path, kind, recipient):
+    to_save = mixed_objects(kind, rank)
+    to_save["trainer"].run(range(2), max_epochs=1)  # Adam state and a ZeRO partition on every rank
+    Checkpoint(to_save, DiskSaver(tmp_path / "ours"), consolidate_recipient_rank=recipient)(to_save["trainer"])
+    # the same state gathered first, outside a save, written by torch.save itself
+    adapted = adapt(to_save, recipient)
+    full = {name: obj.state_dict() for name, obj in adapted.items()}
+    if rank == recipient:  # to a stream, as DiskSaver has torch.save write: records in a folder named "archive"
+        with open(tmp_path / "reference.pt", "wb") as f:
+            torch.save(full, f)
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+def test_a_consolidated_file_is_torch_saves_record_by_record(tmp_path, kind):
+    run_ranks(_save_both_ways, 2, tmp_path, kind, 1)
+    ours, reference = tmp_path / "ours" / "checkpoint_2.pt", tmp_path / "reference.pt"
+    with zipfile.ZipFile(ours) as written, zipfile.ZipFile(reference) as expected:
+        names = [info.filename for info in expected.infolist()]
+        assert [info.filename for info in written.infolist()] == names
+        for name in names:
+            if not name.endswith(_SERIALIZATION_ID):  # torch derives it from its string hashes
+                assert written.read(name) == expected.read(name), name  # data.pkl too: the same pickle
+        assert written.testzip() is None  # every record's CRC-32
+    assert verify_file(ours) is not None
+    for mmap in (False, True):
+        assert_state_equal(
+            torch.load(ours, weights_only=True, mmap=mmap), torch.load(reference, weights_only=True, mmap=mmap)
+        )
+    # stock ignite loads the consolidated model into a plain one
+    plain = small_net()
+    IgniteCheckpoint.load_objects({"model": plain}, torch.load(ours, weights_only=True))
+    assert_state_equal(plain.state_dict(), torch.load(reference, weights_only=True)["model"])
+
+
+def _save_and_fail_to_write(rank, world_size, tmp_path):
+    to_save = mixed_objects("fsdp2", rank)
+    to_save["trainer"].run(range(2), max_epochs=1)
+    saver = DiskSaver(tmp_path / "ours")
+    if rank == 0:  # the place fails when the writer starts, while the other rank's state is still arriving
+        saver.place.write = lambda *args, **kwargs: (_ for _ in ()).throw(OSError("no space left on the device"))
+    with pytest.raises(Exception, match="no space left on the device"):
+        Checkpoint(to_save, saver, consolidate_recipient_rank=0)(to_save["trainer"])
+    # every stream was drained: the process group still works for both ranks
+    value = torch.tensor([rank + 1.0])
+    torch.distributed.all_reduce(value)
+    return value.item()
+
+
+def test_a_failed_write_still_takes_every_byte_sent_and_fails_on_every_rank(tmp_path):
+    assert run_ranks(_save_and_fail_to_write, 2, tmp_path) == [3.0, 3.0]
+    assert not list((tmp_path / "ours").glob("*.pt"))
+
+
+def test_overlap_waits_only_for_memory_still_to_arrive():
+    overlap = Overlap()
+    overlap._starts, overlap._stops = [100, 300], [200, 400]
+    assert not overlap._pending(0, 100) and not overlap._pending(200, 300) and not overlap._pending(400, 500)
+    assert overlap._pending(150, 160) and overlap._pending(0, 101) and overlap._pending(399, 1000)
+    overlap._cut(120, 160)
+    assert (overlap._starts, overlap._stops) == ([100, 160, 300], [120, 200, 400])
+    assert not overlap._pending(120, 160) and overlap._pending(119, 121)
+    overlap.finish()
+
+
+def _load_in_place(rank, world_size, tmp_path):
+    model = DistributedDataParallel(tiny_model(seed=3))
+    optimizer = zero_adam(model)
+    train_step(model, optimizer, rank, 7)  # state of another value, in tensors that loading must reuse
+    addresses = _addresses(model, optimizer)
+    Checkpoint.load_objects({"model": model, "optimizer": optimizer}, tmp_path / "checkpoint_3.pt")
+    return addresses == _addresses(model, optimizer), model.module.state_dict(), ZeROState(optimizer).state_dict()
+
+
+def _addresses(model, optimizer):
+    """Where the model's tensors and this rank's optimizer state live."""
+    state = [t.data_ptr() for s in optimizer.optim.state.values() for t in s.values() if t.dim()]
+    return [t.data_ptr() for t in model.module.state_dict().values()] + state
+
+
+def test_a_load_reads_modules_and_zero_partitions_into_their_own_tensors(tmp_path):
+    run_ranks(_save, 2, tmp_path)
+    saved = torch.load(tmp_path / "checkpoint_3.pt", weights_only=True)
+    results = run_ranks(_load_in_place, 2, tmp_path)
+    for in_place, model_state, _ in results:
+        assert in_place  # no tensor was replaced: the bytes were read into those that were there
+        assert_state_equal(model_state, saved["model"])
+    assert_state_equal(results[0][2], saved["optimizer"])  # consolidated again on rank 0 from what was loaded
+
+
+def _save(rank, world_size, tmp_path):
+    model = DistributedDataParallel(tiny_model())
+    optimizer = zero_adam(model)
+    for step in range(3):
+        train_step(model, optimizer, rank, step)
+    trainer = Engine(lambda e, b: None)
+    trainer.state.iteration = 3
+    Checkpoint({"model": model, "optimizer": optimizer}, DiskSaver(tmp_path))(trainer)
