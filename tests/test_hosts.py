@@ -142,7 +142,8 @@ def test_replicas_on_node_local_disks(tmp_path: Path, free_port: int) -> None:
     for kind, text, elapsed in (s["lost"] for s in seen):
         # the ranks of the lost host that had not come to the round where the others gave up: both, or one of them
         assert kind == "CollectiveTimeoutError" and re.search(r"waiting for ranks \[(2|3|2, 3)\]", text), text
-        assert sync_timeout <= elapsed < 2 * sync_timeout, elapsed  # the round after the save gives up at once
+        # one timeout, or two where a transfer to a dead rank waits out its own first: the round after gives up at once
+        assert sync_timeout <= elapsed < 2.5 * sync_timeout, elapsed
     assert [sorted(s["files"]) for s in seen] == [["checkpoint_4.dcp", "checkpoint_5.dcp"]] * 2
 
     # the first host alone, two ranks: the checkpoint of four ranks, from its disk
