@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _plot import add_plot_option
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -48,6 +49,7 @@ __all__ = [
     "parser",
     "scratch_directory",
     "summary",
+    "worst_rank",
     "zero_adam_after_one_step",
 ]
 
@@ -228,15 +230,21 @@ def interleaved(paths: Sequence[str], runs: int) -> Iterator[tuple[bool, str]]:
 
 
 def parser(description: str, params: list[float], paths: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """The command line every benchmark takes: sizes, world sizes, runs, and which of its ``paths`` to run; a
-    benchmark may add its own options."""
+    """The command line every benchmark takes: sizes, world sizes, runs, which of its ``paths`` to run, and
+    ``--plot``; a benchmark may add its own options."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, nargs="+", default=params, help="parameters of the model")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--runs", type=int, default=5, help="measured rounds after the warm-up round")
     if paths:
         parser.add_argument("--paths", nargs="+", choices=paths, default=list(paths), help="what to measure")
+    add_plot_option(parser)
     return parser
+
+
+def worst_rank(ranks: Sequence[Mapping[str, Sequence[float]]]) -> dict[str, list[float]]:
+    """Each round's time of each path on its slowest rank: an operation ends when every rank's does."""
+    return {path: [max(values) for values in zip(*(rank[path] for rank in ranks))] for path in ranks[0]}
 
 
 def each_configuration(

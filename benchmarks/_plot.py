@@ -13,10 +13,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Panel", "add_plot_option", "save_panels", "write_chart"]
+__all__ = ["Panel", "add_plot_option", "save_panels", "seconds_panel", "write_chart"]
 
 # one colour a path, the same in every panel: ours first, then the others, then the floor
-_COLOURS = ("#1f6fb4", "#d9822b", "#6b6b6b", "#3c9a5f", "#a33f3f", "#8a63b8")
+_COLOURS = (
+    "#1f6fb4",
+    "#d9822b",
+    "#6b6b6b",
+    "#3c9a5f",
+    "#a33f3f",
+    "#8a63b8",
+    "#c9a227",
+    "#2bb3c0",
+    "#e377c2",
+    "#8c564b",
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,19 @@ def add_plot_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot", metavar="PATH", help='also write the results as a PNG chart (needs the "benchmarks" extra)'
     )
+
+
+def seconds_panel(title: str, runs: Mapping[str, Mapping[str, Sequence[float]]], log: bool = False) -> Panel:
+    """A panel of seconds: by group and path, the median of the runs, with min-max whiskers."""
+    bars = {
+        group: {path: statistics.median(times) for path, times in paths.items() if times}
+        for group, paths in runs.items()
+    }
+    spread = {
+        group: {path: (min(times), max(times)) for path, times in paths.items() if times}
+        for group, paths in runs.items()
+    }
+    return Panel(title, "seconds (log scale)" if log else "seconds", bars, spread, log)
 
 
 def save_panels(results: Mapping[tuple[int, int], Sequence[Mapping[str, Any]]]) -> list[Panel]:
@@ -75,16 +99,19 @@ def write_chart(path: str | Path, title: str, panels: Sequence[Panel]) -> None:
     import matplotlib.pyplot as plt
 
     paths = list(dict.fromkeys(name for panel in panels for group in panel.bars.values() for name in group))
-    colours = dict(zip(paths, _COLOURS))
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
+    colours = {name: _COLOURS[index % len(_COLOURS)] for index, name in enumerate(paths)}
+    handles: dict[str, Any] = {}
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.6), squeeze=False)
     for axis, panel in zip(axes[0], panels):
         groups = list(panel.bars)
-        width = 0.8 / len(paths)
-        for index, name in enumerate(paths):
+        present = [name for name in paths if any(name in group for group in panel.bars.values())]
+        width = 0.8 / max(len(present), 1)
+        for index, name in enumerate(present):
             where = [(g, group) for g, group in enumerate(groups) if name in panel.bars[group]]
-            xs = [g + (index - (len(paths) - 1) / 2) * width for g, _ in where]
+            xs = [g + (index - (len(present) - 1) / 2) * width for g, _ in where]
             heights = [panel.bars[group][name] for _, group in where]
             bars = axis.bar(xs, heights, width, label=name, color=colours[name])
+            handles.setdefault(name, bars)
             axis.bar_label(bars, fmt="%.3g", fontsize=7, padding=1)  # a bar of 0 shows as a label, not as nothing
             spreads = [panel.spread.get(group, {}).get(name) for _, group in where]
             if any(spreads):
@@ -98,8 +125,9 @@ def write_chart(path: str | Path, title: str, panels: Sequence[Panel]) -> None:
             axis.set_yscale("log")
         axis.grid(axis="y", alpha=0.3)
         axis.set_axisbelow(True)
-    axes[0][0].legend(fontsize=9)
+    # one legend for every panel: panels may show different paths
+    figure.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 5), fontsize=8)
     figure.suptitle(title, fontsize=11)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.06 * -(-len(handles) // 5), 1, 1))
     figure.savefig(path, dpi=100)
     plt.close(figure)

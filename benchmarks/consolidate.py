@@ -40,7 +40,7 @@ from _common import (
     summary,
     zero_adam_after_one_step,
 )
-from _plot import add_plot_option, save_panels, write_chart
+from _plot import save_panels, write_chart
 from ignite.engine import Engine
 from ignite.handlers import Checkpoint as IgniteCheckpoint
 from ignite.handlers import DiskSaver as IgniteDiskSaver
@@ -142,7 +142,6 @@ def _table(results: dict[tuple[int, int], list[dict[str, Any]]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     command = parser(__doc__, [25e6, 100e6], PATHS)
-    add_plot_option(command)
     args = command.parse_args(argv)
     results = each_configuration(_rank, args, "consolidate", _table)
     if args.plot:

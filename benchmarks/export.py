@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from _plot import Panel, add_plot_option, seconds_panel, write_chart
 
 from ignite_zero import DiskSaver
 
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=16)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
+    add_plot_option(parser)
     args = parser.parse_args()
     numel = int(args.gigabytes * 1e9 / 4 / args.tensors)
     with tempfile.TemporaryDirectory(prefix="ignite_zero-export-", dir="/tmp") as tmp:
@@ -70,6 +72,13 @@ def main() -> None:
         f"| {size / 2**20:.0f} MiB | {largest / 2**20:.0f} MiB | {median[0]:.2f} | {median[1] / 2**20:.0f} MiB | "
         f"{median[2] / 2**20:.0f} MiB |"
     )
+    if args.plot:
+        group = f"{size / 2**20:.0f} MiB"
+        seconds = seconds_panel("seconds per export", {group: {"export": [row[0] for row in rows]}})
+        peaks = {group: {"anonymous": median[1] / 2**20, "file-backed": median[2] / 2**20}}
+        write_chart(
+            args.plot, "ignite-zero export to safetensors", [seconds, Panel("peak memory (median)", "MiB", peaks)]
+        )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _common import each_configuration, fsdp2_adam_after_one_step, interleaved, measure, parser, summary
-from _plot import add_plot_option, save_panels, write_chart
+from _plot import save_panels, write_chart
 from ignite.engine import Engine
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -100,7 +100,6 @@ def _table(results: dict[tuple[int, int], list[dict[str, Any]]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     command = parser(__doc__, [25e6, 100e6], PATHS)
     command.set_defaults(world_sizes=[4])
-    add_plot_option(command)
     args = command.parse_args(argv)
     if any(size % 2 or size < 4 for size in args.world_sizes):
         command.error("HSDP needs a 2 x N mesh: world sizes of 4, 6, 8...")

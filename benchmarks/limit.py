@@ -47,7 +47,6 @@ import io
 import os
 import pstats
 import shutil
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -63,8 +62,10 @@ from _common import (
     measure,
     scratch_directory,
     summary,
+    worst_rank,
     zero_adam_after_one_step,
 )
+from _plot import add_plot_option, seconds_panel, write_chart
 from ignite.engine import Engine
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -332,11 +333,6 @@ def _rank(
     return times
 
 
-def _worst(ranks: list[Times]) -> Times:
-    """Each round's time of each path on its slowest rank."""
-    return {path: [max(values) for values in zip(*(r[path] for r in ranks))] for path in ranks[0]}
-
-
 def _ratios(worst: Times, path: str, against: str) -> tuple[float, float, float] | None:
     """(min, median, max) of ``path``'s per-round ratios to ``against``."""
     if against not in worst:
@@ -353,7 +349,7 @@ def _table(results: Results) -> str:
         "|---|---|---|---|---|---|",
     ]
     for (kind, target), ranks in results.items():
-        worst = _worst(ranks)
+        worst = worst_rank(ranks)
         for path, values in worst.items():
             low, middle, high = summary(values)
             floor = _ratios(worst, path, FLOORS[path])
@@ -370,7 +366,7 @@ def _last_line(results: Results) -> str:
     """The median x-floor ratio of every path that is not a floor, configuration by configuration."""
     parts = []
     for (kind, target), ranks in results.items():
-        worst = _worst(ranks)
+        worst = worst_rank(ranks)
         ratios = [
             f"{path} {ratio[1]:.2f}"
             for path in worst
@@ -380,33 +376,16 @@ def _last_line(results: Results) -> str:
     return "x floor: " + "; ".join(parts)
 
 
-def _plot(results: Results, path: Path) -> None:
-    """Seconds per path (median, with min-max bars), each beside its floor, one panel per configuration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    columns = min(2, len(results))
-    rows = -(-len(results) // columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4 * rows), squeeze=False)
-    for axis in axes.flat[len(results) :]:
-        axis.set_visible(False)
-    for axis, ((kind, target), ranks) in zip(axes.flat, results.items()):
-        worst = _worst(ranks)
-        names = list(worst)
-        medians = [statistics.median(worst[name]) for name in names]
-        errors = [
-            [m - min(worst[n]) for n, m in zip(names, medians)],
-            [max(worst[n]) - m for n, m in zip(names, medians)],
-        ]
-        colours = ["tab:grey" if FLOORS[name] == name else "tab:blue" for name in names]
-        axis.barh(names, medians, xerr=errors, color=colours)
-        axis.invert_yaxis()
-        axis.set_xlabel("seconds (worst rank; median, min-max)")
-        axis.set_title(f"{kind}, {target}: grey = floors")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
+def _plot(results: Results, path: str) -> None:
+    """Seconds per path (worst rank; median, min-max) beside its floor: the saves, then the loads."""
+    saves: dict[str, Times] = {}
+    loads: dict[str, Times] = {}
+    for (kind, target), ranks in results.items():
+        worst = worst_rank(ranks)
+        saves[f"{kind}, {target}"] = {path: times for path, times in worst.items() if path not in LOADS}
+        loads[f"{kind}, {target}"] = {path: times for path, times in worst.items() if path in LOADS}
+    panels = [seconds_panel("saves (floors: write, write whole)", saves), seconds_panel("loads (floor: read)", loads)]
+    write_chart(path, "seconds per save and load against writing and reading the bytes raw", panels)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -419,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     options.add_argument("--world-sizes", type=int, nargs="+", default=[2])
     options.add_argument("--runs", type=int, default=4, help="measured rounds after the warm-up round")
     options.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="what to measure")
-    options.add_argument("--plot", type=Path, default=None, help="write a PNG of the results there")
+    add_plot_option(options)
     options.add_argument(
         "--memory", action="store_true", help="instead: each path once, its growth of every rank's resident memory"
     )

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import ZeROParameters, launch, loopback_s3, parser, summary, zero_adam_after_one_step
+from _common import ZeROParameters, launch, loopback_s3, parser, summary, worst_rank, zero_adam_after_one_step
+from _plot import seconds_panel, write_chart
 from ignite.engine import Engine
 
 from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, _compat
@@ -91,7 +92,7 @@ def _rank(rank: int, world_size: int, count: int, runs: int, endpoint: str) -> d
 
 
 def _table(count: int, world_size: int, ranks: list[dict[str, list[float]]]) -> str:
-    worst = {path: [max(values) for values in zip(*(r[path] for r in ranks))] for path in PATHS}
+    worst = worst_rank(ranks)
     rows = ["| path | seconds min / median / max | MB/s (median) | ratio |", "|---|---|---|---|"]
     size = 12 * count / 1e6
     for path in PATHS:
@@ -113,10 +114,16 @@ def main(argv: list[str] | None = None) -> None:
         import s3fs
 
         s3fs.S3FileSystem(endpoint_url=endpoint).mkdir(BUCKET)
+        runs = {}
         for count in map(int, args.params):
             for world_size in args.world_sizes:
                 ranks = launch(_rank, world_size, count, args.runs, endpoint)
                 print(_table(count, world_size, ranks) + "\n", flush=True)
+                runs[f"{count / 1e6:.0f}M, {world_size} ranks"] = worst_rank(ranks)
+        if args.plot:
+            write_chart(
+                args.plot, "saves to moto's S3 server on 127.0.0.1 (worst rank)", [seconds_panel("seconds", runs)]
+            )
     finally:
         server.stop()
 

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-from _common import ZeROParameters, interleaved, launch, parser, summary, zero_adam_after_one_step
+from _common import ZeROParameters, interleaved, launch, parser, summary, worst_rank, zero_adam_after_one_step
+from _plot import seconds_panel, write_chart
 from ignite.engine import Engine
 
 from ignite_zero import Checkpoint, ShardedSaver
@@ -94,7 +95,7 @@ def _rank(rank: int, world_size: int, count: int, runs: int, paths: tuple[str, .
 
 
 def _table(count: int, ranks: list[dict[str, list[float]]]) -> str:
-    worst = {path: [max(values) for values in zip(*(r[path] for r in ranks))] for path in ranks[0]}
+    worst = worst_rank(ranks)
     ratios = {}
     for path, base in (("replicated", "sharded"), ("recovery", "load shared")):
         if path in worst and base in worst:
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     options = parser(__doc__, [25e6], PATHS)
     args = options.parse_args(argv)
     paths = tuple(path for path in PATHS if path in args.paths)
+    results: dict[str, dict[str, list[float]]] = {}
     for count in map(int, args.params):
         shutil.rmtree(ROOT, ignore_errors=True)
         ROOT.mkdir(parents=True)
@@ -119,6 +121,15 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             shutil.rmtree(ROOT, ignore_errors=True)
         print(f"ZeRO, {count / 1e6:.0f}M parameters, 2 hosts of one rank, tmpfs:\n{_table(count, ranks)}\n", flush=True)
+        results[f"{count / 1e6:.0f}M"] = worst_rank(ranks)
+    if args.plot:
+        saves = {
+            group: {p: t for p, t in worst.items() if p in ("sharded", "replicated")}
+            for group, worst in results.items()
+        }
+        loads = {group: {p: t for p, t in worst.items() if p not in saves[group]} for group, worst in results.items()}
+        panels = [seconds_panel("saves", saves), seconds_panel("loads", loads)]
+        write_chart(args.plot, "replicated sharded checkpoints, 2 hosts of one rank (worst rank)", panels)
 
 
 if __name__ == "__main__":

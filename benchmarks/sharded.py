@@ -26,7 +26,8 @@ Each target is a directory: ``tmpfs`` is ``/dev/shm`` (memory: what ignite_zero 
 the temporary directory or ``IGNITE_ZERO_BENCH_DIR``. A save's time is its worst rank's. The table gives each
 path's min / median / max over the runs, and the ratios the targets are stated in: sharded / dcp.save as the
 median [min-max] of the ratios of the two within each round (a round's two saves see the same machine), async
-stall / memcpy, synchronous save / async stall. A summary of sharded / dcp.save ends the run.
+stall / memcpy, synchronous save / async stall. A summary of sharded / dcp.save ends the run. ``--plot PATH`` also
+writes the seconds per save as a PNG chart.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ from _common import (
     parser,
     scratch_directory,
     summary,
+    worst_rank,
     zero_adam_after_one_step,
 )
+from _plot import seconds_panel, write_chart
 from ignite.engine import Engine
 from torch.distributed.tensor import DTensor
 
@@ -153,11 +156,6 @@ def _tensors(state: Any) -> list[torch.Tensor]:
     return []
 
 
-def _worst(ranks: list[dict[str, list[float]]]) -> dict[str, list[float]]:
-    """Each run's time of each path on its slowest rank: a save ends when every rank's does."""
-    return {path: [max(values) for values in zip(*(r[path] for r in ranks))] for path in ranks[0]}
-
-
 def _ratio(worst: dict[str, list[float]]) -> tuple[float, float, float]:
     """sharded / dcp.save: (min, median, max) of the ratios within each round."""
     return summary([s / d for s, d in zip(worst["sharded"], worst["dcp.save"])])
@@ -169,7 +167,7 @@ def _table(results: Results) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for (kind, target, count, world_size), ranks in results.items():
-        worst = _worst(ranks)
+        worst = worst_rank(ranks)
         median = {path: statistics.median(values) for path, values in worst.items()}
         ratios = {}
         if {"sharded", "dcp.save"} <= median.keys():
@@ -197,7 +195,7 @@ def _summary_table(results: Results) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for (kind, target, count, world_size), ranks in results.items():
-        worst = _worst(ranks)
+        worst = worst_rank(ranks)
         low, middle, high = _ratio(worst)
         rows.append(
             f"| {kind} | {target} | {count / 1e6:.0f}M | {world_size} | {statistics.median(worst['dcp.save']):.3f} "
@@ -228,6 +226,12 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(directory, ignore_errors=True)
     if {"sharded", "dcp.save"} <= set(paths):
         print(f"sharded / dcp.save:\n{_summary_table(results)}")
+    if args.plot:
+        runs = {
+            f"{kind}, {target}, {count / 1e6:.0f}M, {world_size} ranks": worst_rank(ranks)
+            for (kind, target, count, world_size), ranks in results.items()
+        }
+        write_chart(args.plot, "sharded and asynchronous saves (worst rank)", [seconds_panel("seconds per save", runs)])
 
 
 if __name__ == "__main__":
