@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "Measurement",
@@ -45,6 +46,7 @@ __all__ = [
     "fsdp2_adam_after_one_step",
     "interleaved",
     "launch",
+    "local_tensors",
     "measure",
     "parser",
     "scratch_directory",
@@ -240,6 +242,19 @@ def parser(description: str, params: list[float], paths: Sequence[str] = ()) -> 
         parser.add_argument("--paths", nargs="+", choices=paths, default=list(paths), help="what to measure")
     add_plot_option(parser)
     return parser
+
+
+def local_tensors(state: Any) -> list[torch.Tensor]:
+    """The tensors of a nested state that this rank holds: a ``DTensor``'s local shard, a plain tensor itself."""
+    if isinstance(state, DTensor):
+        return [state.to_local()]
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for value in state.values() for t in local_tensors(value)]
+    if isinstance(state, (list, tuple)):
+        return [t for value in state for t in local_tensors(value)]
+    return []
 
 
 def worst_rank(ranks: Sequence[Mapping[str, Sequence[float]]]) -> dict[str, list[float]]:

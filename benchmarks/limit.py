@@ -59,6 +59,7 @@ from _common import (
     Measurement,
     fsdp2_adam_after_one_step,
     launch,
+    local_tensors,
     measure,
     scratch_directory,
     summary,
@@ -69,7 +70,6 @@ from _plot import add_plot_option, seconds_panel, write_chart
 from ignite.engine import Engine
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
 from ignite_zero.adapters import ZeROState
@@ -98,18 +98,6 @@ TARGETS = ("tmpfs", "disk")
 LOADS = ("read", "dcp.load", "sharded load", "consolidated load")
 
 Times = dict[str, list[float]]
-
-
-def _tensors(state: Any) -> list[torch.Tensor]:
-    if isinstance(state, DTensor):
-        return [state.to_local()]
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for value in state.values() for t in _tensors(value)]
-    if isinstance(state, (list, tuple)):
-        return [t for value in state for t in _tensors(value)]
-    return []
 
 
 def _raw(tensor: torch.Tensor) -> memoryview:
@@ -178,15 +166,17 @@ class _Setup:
             self.model: nn.Module = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
             self.optimizer: Any = zero_adam_after_one_step(self.model)
             shard = ZeROState(self.optimizer).sharded_state_dict()
-            self.own = _tensors({"model": share(self.model.state_dict(), rank, world_size, keeper=0), "opt": shard})
+            self.own = local_tensors(
+                {"model": share(self.model.state_dict(), rank, world_size, keeper=0), "opt": shard}
+            )
         else:
             self.model, self.optimizer = fsdp2_adam_after_one_step(layers * (width * width + width), width)
             model_state = FSDPModelState(self.model, 0).sharded_state_dict()
             optimizer_state = FSDPOptimizerState(self.model, self.optimizer, 0).sharded_state_dict()
-            self.own = _tensors({"model": model_state, "optimizer": optimizer_state})
+            self.own = local_tensors({"model": model_state, "optimizer": optimizer_state})
         self.own = [t.contiguous() for t in self.own]
         # what a load reads: ZeRO ranks the whole model (every rank holds it) and their optimizer shard
-        self.needed = self.own if kind != "zero" else [*self.model.state_dict().values(), *_tensors(shard)]
+        self.needed = self.own if kind != "zero" else [*self.model.state_dict().values(), *local_tensors(shard)]
         self.needed_bytes = sum(t.numel() * t.element_size() for t in self.needed)
         self.own_bytes = sum(t.numel() * t.element_size() for t in self.own)
         total = torch.tensor([self.own_bytes], dtype=torch.int64)

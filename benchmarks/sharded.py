@@ -45,6 +45,7 @@ from _common import (
     ZeROParameters,
     fsdp2_adam_after_one_step,
     launch,
+    local_tensors,
     parser,
     scratch_directory,
     summary,
@@ -53,7 +54,6 @@ from _common import (
 )
 from _plot import seconds_panel, write_chart
 from ignite.engine import Engine
-from torch.distributed.tensor import DTensor
 
 from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
 from ignite_zero.adapters import ZeROState
@@ -78,7 +78,7 @@ def _state(kind: str, count: int, rank: int, world_size: int) -> tuple[dict[str,
 
         # its share of the model (which every rank holds) and its optimizer shard
         part = share(model.state_dict(), rank, world_size, keeper=0)
-        staged = _tensors({"model": part, "optimizer": ZeROState(optimizer).sharded_state_dict()})
+        staged = local_tensors({"model": part, "optimizer": ZeROState(optimizer).sharded_state_dict()})
     else:
         model, optimizer = fsdp2_adam_after_one_step(count)
         model_state, optimizer_state = FSDPModelState(model, 0), FSDPOptimizerState(model, optimizer, 0)
@@ -86,7 +86,7 @@ def _state(kind: str, count: int, rank: int, world_size: int) -> tuple[dict[str,
         def floor() -> dict[str, Any]:
             return {"model": model_state.sharded_state_dict(), "optimizer": optimizer_state.sharded_state_dict()}
 
-        staged = _tensors(floor())
+        staged = local_tensors(floor())
     return {"model": model, "optimizer": optimizer}, floor, staged
 
 
@@ -142,18 +142,6 @@ def _rank(
                     shutil.rmtree(written) if written.is_dir() else written.unlink()
             dist.barrier()
     return times
-
-
-def _tensors(state: Any) -> list[torch.Tensor]:
-    if isinstance(state, DTensor):
-        return [state.to_local()]
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for value in state.values() for t in _tensors(value)]
-    if isinstance(state, (list, tuple)):
-        return [t for value in state for t in _tensors(value)]
-    return []
 
 
 def _ratio(worst: dict[str, list[float]]) -> tuple[float, float, float]:
