@@ -16,8 +16,9 @@ agreement (:func:`ignite_zero.agreement.settle`):
    asked for. Every rank then checks its entries, and nothing is loaded anywhere unless every check passed.
 3. Every rank restores its objects, and learns whether all others did. Each reads here what it loads, once:
    modules their tensors, FSDP objects their parts of each tensor, a ZeRO optimizer its partition, straight into
-   the tensors they are loaded into where the layouts allow, each block checked as it arrives. A corrupt block
-   leaves the objects partly restored, with the same error on every rank.
+   the tensors they are loaded into where the layouts allow, each block checked as it arrives (from a sharded
+   checkpoint, FSDP objects read their shards in round 2 already, straight into their own tensors). A corrupt
+   block leaves the objects partly restored, with the same error on every rank.
 
 With plain objects only, or without a process group, loading is local, as in ignite, and every tensor is read into
 new memory, checked, before anything is loaded: a corrupt record changes nothing.
@@ -116,7 +117,7 @@ def _restore(
         elif identity is not None:
             if _verifies(rank, reports, seers):
                 reader.verify(whole=False)
-            entries = reader.entries(objects, weights_only)
+            entries = reader.entries(objects, weights_only, in_place=True)
         entries = _for_plain_optimizers(objects, _distribute(entries, [need for _, _, need, _ in reports], seers))
         _pair(objects, entries, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
     except Exception as error:

@@ -10,10 +10,11 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 from launcher import run_ranks
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from training import assert_state_equal, mixed_objects, small_net, tiny_model, train_step, zero_adam
 
-from ignite_zero import Checkpoint, IntegrityError, ShardedSaver, tree
+from ignite_zero import Checkpoint, IntegrityError, RankFailureError, ShardedSaver, tree
 from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.sharded import share
 
@@ -198,6 +199,55 @@ def test_corrupt_and_missing_files_are_refused(saved, tmp_path):
     (copy / "__1_0.distcp").unlink()
     with pytest.raises(IntegrityError, match=r"file __1_0.distcp is missing"):
         sharded.verify(copy)
+
+
+def _pointers(objects):
+    """Where the memory of every tensor that a load should fill in place lies: the ZeRO optimizer's state and its
+    model's parameters, and FSDP2's parameters and optimizer state (FSDP1 reads into copies of its shards)."""
+
+    def state(optimizer):
+        return [value for values in optimizer.state.values() for value in values.values()]
+
+    tensors = [*objects["side_model"].parameters(), *state(objects["side_optimizer"].optim)]
+    if isinstance(next(objects["model"].parameters()), DTensor):
+        tensors += [*objects["model"].parameters(), *state(objects["optimizer"])]
+    return [
+        (t.to_local() if isinstance(t, DTensor) else t).data_ptr()
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    ]
+
+
+def _load_in_place(rank, world_size, directory, corrupt):
+    objects = mixed_objects("fsdp2" if "fsdp2" in str(directory) else "fsdp1", rank, seed=7)
+    objects["trainer"].run(range(1), max_epochs=1)  # the optimizers' state exists
+    before = _pointers(objects)
+    Checkpoint.load_objects(objects, directory / "checkpoint_4.dcp")
+    in_place = _pointers(objects) == before
+    again = {k: v for k, v in objects.items() if k != "trainer"}
+    Checkpoint(again, directory / "in_place")(objects["trainer"])
+    with pytest.raises(RankFailureError) as raised:
+        Checkpoint.load_objects(objects, corrupt)
+    return in_place, str(raised.value)
+
+
+def test_a_load_on_several_ranks_reads_into_the_objects_own_tensors(saved, tmp_path):
+    _, directory = saved
+    corrupt = tmp_path / "corrupt.dcp"
+    shutil.copytree(directory / "checkpoint_4.dcp", corrupt)
+    metadata = pickle.loads((corrupt / ".metadata").read_bytes())
+    read = next(info for index, info in metadata.storage_data.items() if index.fqn == "side_model.0.weight")
+    data = bytearray((corrupt / read.relative_path).read_bytes())
+    data[read.offset + read.length // 2] ^= 0x01
+    (corrupt / read.relative_path).write_bytes(bytes(data))
+    results = run_ranks(_load_in_place, 2, directory, corrupt)
+    assert [in_place for in_place, _ in results] == [True, True]
+    full = torch.load(directory / "full" / "checkpoint_4.pt", weights_only=True)
+    assert_state_equal(torch.load(directory / "in_place" / "checkpoint_4.pt", weights_only=True), full)
+    # a corrupt byte that every rank reads: the same error on every rank, naming the file and the entry
+    errors = {error for _, error in results}
+    assert len(errors) == 1 and "ranks [0, 1]: IntegrityError" in errors.pop()
+    assert f"corrupt.dcp/{read.relative_path}, entry side_model.0.weight" in results[0][1]
 
 
 def _before_the_first_step(rank, world_size, dirname):

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from ignite_zero import IntegrityError
 from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.formats import torch_zip
-from ignite_zero.storage.formats.dcp_files import PlaceStorageReader, PlaceStorageWriter
+from ignite_zero.storage.formats.dcp_files import PlaceStorageReader, PlaceStorageWriter, SavedTensors
 from ignite_zero.storage.formats.torch_zip import write_archive
 from ignite_zero.storage.places import LocalPlace
 
@@ -234,3 +234,14 @@ def test_files_of_several_threads_and_entries_that_torch_save_writes(tmp_path, m
     with sharded.in_one_process():
         dcp.load(loaded, checkpoint_id=tmp_path / "ours", no_dist=True)
     _assert_equal(loaded, state)
+    # read by name, whole, as the objects that hold them take them: into new tensors, or into tensors that exist
+    place = LocalPlace(tmp_path / "ours")
+    saved = SavedTensors(place, writer.records, PlaceStorageReader(place, writer.records).read_metadata())
+    weight = torch.empty(40, 30)
+    assert torch.equal(saved.read("model.weight", weight), state["model"]["weight"])
+    assert torch.equal(weight, state["model"]["weight"]) and saved.fits("model.weight", weight)
+    assert torch.equal(saved.read("optimizer.half"), state["optimizer"]["half"])
+    assert not saved.fits("model.weight", torch.empty(30, 40))
+    saved.close()
+    with pytest.raises(RuntimeError, match="was closed before this rank read all it loads"):
+        saved.read("model.bias")

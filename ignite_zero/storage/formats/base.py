@@ -136,8 +136,16 @@ class Reader(ABC):
         """When the checkpoint was completed, in seconds since the epoch."""
 
     @abstractmethod
-    def entries(self, objects: Mapping, weights_only: bool) -> Any:
-        """The entry of every object of ``objects`` (nested as ``objects``): what this rank loads."""
+    def entries(self, objects: Mapping, weights_only: bool, in_place: bool = False) -> Any:
+        """The entry of every object of ``objects`` (nested as ``objects``): what this rank loads. Tensors read when
+        an object takes them are deferred (:mod:`ignite_zero.deferred`).
+
+        Args:
+            objects: the objects to load, adapted.
+            weights_only: as for ``torch.load``.
+            in_place: what is read now may be read straight into the objects' own tensors (a collective load, where
+                a corrupt block leaves objects partly restored); else nothing of the objects changes here.
+        """
 
     @abstractmethod
     def load(self, weights_only: bool, progress: Callable[[int, int], None] | None = None) -> Any:

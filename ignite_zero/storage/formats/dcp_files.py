@@ -50,7 +50,7 @@ from ignite_zero.storage.formats import torch_zip
 from ignite_zero.storage.formats.base import IntegrityError
 from ignite_zero.storage.places import Place, place_of
 
-__all__ = ["METADATA", "EntryRecord", "PlaceStorageReader", "PlaceStorageWriter"]
+__all__ = ["METADATA", "EntryRecord", "PlaceStorageReader", "PlaceStorageWriter", "SavedTensors"]
 
 #: The file DCP's metadata is written to, last: a directory without it is incomplete.
 METADATA = ".metadata"
@@ -347,17 +347,11 @@ class PlaceStorageReader(StorageReader):
             planner.load_bytes(item, io.BytesIO(_read_whole(f, record, where)))
             return
         target = planner.resolve_tensor(item).detach()
-        if record.data_offset < 0:
-            saved = torch.load(io.BytesIO(_read_whole(f, record, where)), map_location="cpu", weights_only=True)
-        else:
-            sizes, dtype = self._saved_chunk(item)
-            if _whole(item, sizes) and target.is_contiguous() and target.dtype == dtype and target.device.type == "cpu":
-                _read_entry(f, record, torch_zip.tensor_bytes(target), where)
-                planner.commit_tensor(item, target)
-                return
-            saved = torch.empty(sizes, dtype=dtype)  # a part of it: as DCP's reader, the saved tensor is read whole
-            _read_entry(f, record, torch_zip.tensor_bytes(saved), where)
-        part = saved
+        sizes, dtype = self._saved_chunk(item)
+        if _whole(item, sizes) and _read_saved_into(f, record, target, dtype, where):
+            planner.commit_tensor(item, target)
+            return
+        part = _read_saved(f, record, sizes, dtype, where)  # a part of it: as DCP's reader, the saved tensor whole
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             part = part.narrow(dim, start, length)
         if target.size() != part.size():
@@ -383,6 +377,97 @@ class PlaceStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return False
+
+
+class SavedTensors:
+    """Whole saved tensors of a checkpoint directory that :class:`PlaceStorageWriter` wrote, read by name without
+    DCP's planning: each chunk's entry straight into its place in the destination, checked as it arrives.
+
+    What a load reads whole (a model every rank holds, a ZeRO optimizer's partition) is read this way when its
+    object takes it, into the object's own tensors: reading 0.3 GB into new memory cost 3x reading it into tensors
+    that exist (their page faults; 0.21 s against 0.06 s on tmpfs).
+
+    Args:
+        place: the checkpoint directory.
+        records: every file's entries, by name, from the manifest.
+        metadata: the directory's ``.metadata``.
+    """
+
+    def __init__(self, place: Place, records: Mapping[str, Sequence[EntryRecord]], metadata: Metadata) -> None:
+        self.place = place
+        self._records = {(name, record.offset): record for name, part in records.items() for record in part}
+        self._metadata = metadata
+        self._files: dict[str, IO[bytes]] = {}
+        self._closed = False
+
+    def read(self, fqn: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The saved tensor ``fqn``, whole, read into ``into`` (a contiguous CPU tensor of its shape and dtype) or
+        into a new tensor.
+
+        Raises:
+            IntegrityError: an entry read is corrupt or truncated, or the manifest does not record it.
+        """
+        storage = self._metadata.state_dict_metadata[fqn]
+        assert isinstance(storage, TensorStorageMetadata)
+        dtype = storage.properties.dtype
+        if into is None:
+            into = torch.empty(storage.size, dtype=dtype)
+        for chunk in storage.chunks:
+            info = self._metadata.storage_data[MetadataIndex(fqn, chunk.offsets)]
+            where = f"{self.place.location(info.relative_path)}, entry {fqn} at {info.offset}"
+            record = self._records.get((info.relative_path, info.offset))
+            if record is None or record.length != info.length:
+                raise IntegrityError(f"{where}: the manifest has no record of it (corrupt manifest or .metadata?)")
+            f = self._open(info.relative_path)
+            region = into
+            for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                region = region.narrow(dim, start, length)
+            if not _read_saved_into(f, record, region, dtype, where):
+                region.copy_(_read_saved(f, record, chunk.sizes, dtype, where))
+        return into
+
+    def fits(self, fqn: str, target: torch.Tensor) -> bool:
+        """Whether :meth:`read` can read ``fqn`` into ``target``."""
+        storage = self._metadata.state_dict_metadata.get(fqn)
+        return (
+            isinstance(storage, TensorStorageMetadata)
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+            and (target.shape, target.dtype) == (storage.size, storage.properties.dtype)
+        )
+
+    def _open(self, name: str) -> IO[bytes]:
+        if self._closed:
+            raise RuntimeError(f"{self.place} was closed before this rank read all it loads from it")
+        if name not in self._files:
+            self._files[name] = self.place.open(name)
+        return self._files[name]
+
+    def close(self) -> None:
+        self._closed = True
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def _read_saved_into(f: IO[bytes], record: EntryRecord, target: torch.Tensor, dtype: torch.dtype, where: str) -> bool:
+    """Read a saved tensor straight into ``target`` if it is laid out alike in CPU memory; else read nothing and
+    return ``False``."""
+    if record.data_offset < 0 or target.dtype != dtype or target.device.type != "cpu" or not target.is_contiguous():
+        return False
+    _read_entry(f, record, torch_zip.tensor_bytes(target), where)
+    return True
+
+
+def _read_saved(
+    f: IO[bytes], record: EntryRecord, sizes: Sequence[int], dtype: torch.dtype, where: str
+) -> torch.Tensor:
+    """A saved tensor, read into a new one."""
+    if record.data_offset < 0:  # written by torch.save (4 GiB or more): its archive, read whole
+        return torch.load(io.BytesIO(_read_whole(f, record, where)), map_location="cpu", weights_only=True)
+    saved = torch.empty(tuple(sizes), dtype=dtype)
+    _read_entry(f, record, torch_zip.tensor_bytes(saved), where)
+    return saved
 
 
 def _whole(item: ReadItem, sizes: Sequence[int]) -> bool:

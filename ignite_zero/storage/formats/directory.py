@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from ignite_zero import _compat, tree
+from ignite_zero import _compat, deferred, tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.adapters.zero import as_saved_optimizer_state
 from ignite_zero.storage.formats.base import (
@@ -43,7 +43,7 @@ from ignite_zero.storage.formats.base import (
     tensor_entry,
     written_by,
 )
-from ignite_zero.storage.formats.dcp_files import EntryRecord, PlaceStorageReader, PlaceStorageWriter
+from ignite_zero.storage.formats.dcp_files import EntryRecord, PlaceStorageReader, PlaceStorageWriter, SavedTensors
 from ignite_zero.storage.places import Place, place_of
 
 __all__ = [
@@ -257,18 +257,51 @@ def name_of(path: tuple[Any, ...]) -> str:
     return ".".join(map(str, path))
 
 
-def template(metadata: Metadata, keep: Callable[[tuple[Any, ...]], bool]) -> dict[str, Any]:
+def template(
+    metadata: Metadata, keep: Callable[[tuple[Any, ...]], bool], saved: SavedTensors | None = None
+) -> dict[str, Any]:
     """A flat template to read the entries whose path ``keep`` accepts: tensors allocated from the metadata (read
-    whole, whatever the sharding they were saved with), ``None`` for other values."""
+    whole, whatever the sharding they were saved with), ``None`` for other values. With ``saved``, the tensors are
+    deferred instead (:mod:`ignite_zero.deferred`), each read from ``saved`` when its object takes it."""
     flat: dict[str, Any] = {}
     for name, storage in metadata.state_dict_metadata.items():
         if not keep(path_of(metadata, name)):
             continue
         if isinstance(storage, TensorStorageMetadata):
-            flat[name] = torch.empty(storage.size, dtype=storage.properties.dtype)
+            device = "cpu" if saved is None else "meta"
+            flat[name] = torch.empty(storage.size, dtype=storage.properties.dtype, device=device)
+            if saved is not None:
+                deferred.defer(flat[name], _SavedTensor(saved, name, storage.size))
         elif isinstance(storage, BytesStorageMetadata):
             flat[name] = None
     return flat
+
+
+class _SavedTensor:
+    """One saved tensor of a directory, read whole when its object takes it (a :class:`~ignite_zero.deferred.Source`
+    for the views of its meta tensor)."""
+
+    def __init__(self, saved: SavedTensors, fqn: str, size: torch.Size) -> None:
+        self._saved = saved
+        self._fqn = fqn
+        self._size = size
+
+    def read(self, view: torch.Tensor) -> torch.Tensor:
+        whole = self._saved.read(self._fqn)
+        if self._is_whole(view):
+            return whole
+        return torch.empty(0, dtype=view.dtype).set_(
+            whole.untyped_storage(), view.storage_offset(), view.size(), view.stride()
+        )
+
+    def read_into(self, view: torch.Tensor, target: torch.Tensor) -> bool:
+        if not (self._is_whole(view) and self._saved.fits(self._fqn, target)):
+            return False
+        self._saved.read(self._fqn, target)
+        return True
+
+    def _is_whole(self, view: torch.Tensor) -> bool:
+        return view.storage_offset() == 0 and view.shape == self._size and view.is_contiguous()
 
 
 def nest(metadata: Metadata, flat: Mapping[str, Any]) -> dict[str, Any]:
@@ -344,6 +377,12 @@ class DirectoryReader(Reader):
     def __init__(self, place: Place) -> None:
         self.place = place
         self.path = place.location()
+        self._saved: SavedTensors | None = None
+
+    def close(self) -> None:
+        if self._saved is not None:
+            self._saved.close()
+            self._saved = None
 
     def modified(self) -> float:
         # the manifest is written last (and a prefix of an object store has no time of its own); another tool's
@@ -454,11 +493,15 @@ class DirectoryReader(Reader):
             raise KeyError(f"The checkpoint {self.path} has no tensors under {only!r}; pass --only with another entry")
         return found, {}
 
-    def entries(self, objects: Mapping, weights_only: bool) -> Any:
-        """Read what each object needs: its own shards where it gives a template, else the saved entries it wants,
-        whole (optimizer state keyed by index again)."""
+    def entries(self, objects: Mapping, weights_only: bool, in_place: bool = False) -> Any:
+        """What each object needs: its own shards where it gives a template, read now (straight into its own tensors
+        ``in_place``); else the saved entries it wants, whole (optimizer state keyed by index again), their tensors
+        deferred, each read when its object takes it, straight into the object's tensor where it fits. An earlier
+        release's directory (no records of entries) is read whole now, into new tensors."""
         records = self._records()
         metadata = read_metadata(self.place, records)
+        if records is not None and self._saved is None:
+            self._saved = SavedTensors(self.place, records, metadata)
         saved = {path_of(metadata, name) for name in metadata.state_dict_metadata}
         templates: dict[tuple[Any, ...], Any] = {}
         flat: dict[str, Any] = {}
@@ -470,7 +513,7 @@ class DirectoryReader(Reader):
                     f"holds {sorted({str(p[0]) for p in saved})}); load only the objects it holds, or pass the right "
                     "directory."
                 )
-            own = obj.sharded_template(relative) if isinstance(obj, ShardedState) else None
+            own = obj.sharded_template(relative, in_place) if isinstance(obj, ShardedState) else None
             if own is not None:
                 templates[path] = own
                 continue
@@ -479,12 +522,12 @@ class DirectoryReader(Reader):
             def keep(p: tree.Path, path: tree.Path = path, wants: Callable[[tree.Path], bool] = wants) -> bool:
                 return p[: len(path)] == path and wants(p[len(path) :])
 
-            flat.update(template(metadata, keep))
-        state: dict[str, Any] = dict(flat)
+            flat.update(template(metadata, keep, self._saved))
+        state: dict[str, Any] = {name: value for name, value in flat.items() if not _is_deferred(value)}
         for path, own in templates.items():
             state[name_of(path)] = own
         load(state, self.place, records)
-        nested = nest(metadata, {name: state[name] for name in flat})
+        nested = nest(metadata, {name: state.get(name, value) for name, value in flat.items()})
 
         def entry(path: tuple[Any, ...], _: Any) -> Any:
             if path in templates:
@@ -492,6 +535,10 @@ class DirectoryReader(Reader):
             return as_saved_optimizer_state(tree.get(nested, path))
 
         return tree.map_tree(entry, objects)
+
+
+def _is_deferred(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_meta
 
 
 # What a consolidation reads at a time: the whole state is held at the end, but progress shows batch by batch.

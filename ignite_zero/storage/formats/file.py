@@ -653,7 +653,7 @@ class FileReader(Reader):
             found.append(ExportedTensor(name, value.dtype, tuple(value.shape), read, release))
         return found, aliases
 
-    def entries(self, objects: Mapping, weights_only: bool) -> Any:
+    def entries(self, objects: Mapping, weights_only: bool, in_place: bool = False) -> Any:
         """What ``objects`` load, its tensors deferred (:mod:`ignite_zero.deferred`): each is read when it is loaded,
         straight into the tensor it is loaded into where the layouts allow, or into a new one, each block checked as it
         arrives (:class:`ReadChecks`). A rank reads its part of each sharded entry only (FSDP's parts of each tensor,
