@@ -156,6 +156,15 @@ def storage_offset_in_file(storage: torch.UntypedStorage) -> int:
     return int(offset)
 
 
+def dcp_flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
+    """A nested state flattened as DCP's default planners flatten it: each entry by the name it is saved under (a
+    container without tensors is one entry), and the path of each in ``state``."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, paths = flatten_state_dict(state)
+    return dict(flat), {name: tuple(path) for name, path in paths.items()}
+
+
 def dcp_entry_path(metadata: Any, name: str) -> tuple[Any, ...]:
     """The path, in the nested state it was saved from, of the flattened DCP entry ``name``
     (``("optimizer", "state", "3", "exp_avg")``), from the mapping DCP's default planner keeps in ``planner_data``."""

@@ -30,7 +30,13 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any, cast
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -42,6 +48,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 from zlib_ng import zlib_ng
 
@@ -426,6 +433,52 @@ class SavedTensors:
                 region.copy_(_read_saved(f, record, chunk.sizes, dtype, where))
         return into
 
+    def fill(self, state: dict[str, Any]) -> bool:
+        """Fill ``state``, a nested state as DCP loads it (tensors, ``DTensor``\\ s and values), in place and without
+        DCP's planning, where each of its tensors is exactly one saved chunk (a rank's own shards, on the world size
+        that saved them; a tensor saved whole): straight from the entries, checked as they arrive. ``False``, having
+        read nothing, where some tensor needs resharding or an entry is missing: DCP reads it then.
+
+        DCP's planning took 0.015 s of a 0.11 s load of 0.3 GB of FSDP2 shards (tmpfs).
+        """
+        flat, paths = _compat.dcp_flatten(state)
+        reads: list[tuple[str, Any, torch.Tensor | None]] = []
+        for fqn, value in flat.items():
+            saved = self._metadata.state_dict_metadata.get(fqn)
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                offsets, sizes = _compat.dtensor_block(value) if isinstance(value, DTensor) else _block_of(value)
+                if not (isinstance(saved, TensorStorageMetadata) and _holds(saved, offsets, sizes, local)):
+                    return False
+                index = MetadataIndex(fqn, offsets)
+                record = self._record_of(index)
+                if record is None or record.data_offset < 0:
+                    return False
+                reads.append((fqn, index, local.detach()))
+            elif isinstance(saved, BytesStorageMetadata) and self._record_of(MetadataIndex(fqn)) is not None:
+                reads.append((fqn, MetadataIndex(fqn), None))
+            else:
+                return False
+        for fqn, index, target in reads:
+            info = self._metadata.storage_data[index]
+            where = f"{self.place.location(info.relative_path)}, entry {fqn} at {info.offset}"
+            record = self._record_of(index)
+            assert record is not None
+            f = self._open(info.relative_path)
+            if target is not None:
+                _read_entry(f, record, torch_zip.tensor_bytes(target), where)
+                continue
+            node: Any = state  # a value: read and put where it was, as DCP's planner loads it
+            for step in paths[fqn][:-1]:
+                node = node[step]
+            node[paths[fqn][-1]] = torch.load(io.BytesIO(_read_whole(f, record, where)), weights_only=False)
+        return True
+
+    def _record_of(self, index: MetadataIndex) -> EntryRecord | None:
+        info = self._metadata.storage_data.get(index)
+        record = None if info is None else self._records.get((info.relative_path, info.offset))
+        return record if record is not None and record.length == info.length else None
+
     def fits(self, fqn: str, target: torch.Tensor) -> bool:
         """Whether :meth:`read` can read ``fqn`` into ``target``."""
         storage = self._metadata.state_dict_metadata.get(fqn)
@@ -448,6 +501,23 @@ class SavedTensors:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+
+def _block_of(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The offsets and sizes of a tensor that is whole."""
+    return (0,) * tensor.dim(), tuple(tensor.shape)
+
+
+def _holds(saved: TensorStorageMetadata, offsets: Sequence[int], sizes: Sequence[int], local: torch.Tensor) -> bool:
+    """Whether one chunk of ``saved`` is exactly the block ``offsets``, ``sizes``, which ``local`` holds in CPU memory
+    laid out as saved."""
+    fits = local.device.type == "cpu" and local.is_contiguous() and local.dtype == saved.properties.dtype
+    chunk = (tuple(offsets), tuple(sizes))
+    return (
+        fits
+        and tuple(local.shape) == chunk[1]
+        and any((tuple(c.offsets), tuple(c.sizes)) == chunk for c in saved.chunks)
+    )
 
 
 def _read_saved_into(f: IO[bytes], record: EntryRecord, target: torch.Tensor, dtype: torch.dtype, where: str) -> bool:

@@ -526,7 +526,8 @@ class DirectoryReader(Reader):
         state: dict[str, Any] = {name: value for name, value in flat.items() if not _is_deferred(value)}
         for path, own in templates.items():
             state[name_of(path)] = own
-        load(state, self.place, records)
+        if self._saved is None or not self._saved.fill(state):  # DCP plans what needs resharding
+            load(state, self.place, records)
         nested = nest(metadata, {name: state.get(name, value) for name, value in flat.items()})
 
         def entry(path: tuple[Any, ...], _: Any) -> Any:
