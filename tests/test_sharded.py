@@ -10,6 +10,7 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 from launcher import run_ranks
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from training import assert_state_equal, mixed_objects, small_net, tiny_model, train_step, zero_adam
@@ -248,6 +249,41 @@ def test_a_load_on_several_ranks_reads_into_the_objects_own_tensors(saved, tmp_p
     errors = {error for _, error in results}
     assert len(errors) == 1 and "ranks [0, 1]: IntegrityError" in errors.pop()
     assert f"corrupt.dcp/{read.relative_path}, entry side_model.0.weight" in results[0][1]
+
+
+def _flat_fsdp1(seed):
+    torch.manual_seed(seed)
+    model = FullyShardedDataParallel(small_net(), device_id=torch.device("cpu"))  # flat parameters
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    return {"model": model, "optimizer": optimizer}
+
+
+def _round_trip_on_one_rank(rank, world_size, dirname):
+    objects = _flat_fsdp1(seed=0)
+    for _ in range(2):
+        objects["model"](torch.randn(4, 7)).sum().backward()
+        objects["optimizer"].step()
+    trainer = Engine(lambda e, b: None)
+    checkpoint = Checkpoint(objects, ShardedSaver(dirname / "sharded"))
+    checkpoint(trainer)
+    fresh = _flat_fsdp1(seed=7)
+    Checkpoint.load_objects(fresh, checkpoint.last_checkpoint)
+    for name, state in (("saved", objects), ("loaded", fresh)):
+        Checkpoint(state, dirname / name)(trainer)
+
+
+def test_shards_read_on_the_world_size_that_saved_them(tmp_path):
+    """On the world size that saved them, shards are read straight from their entries, except FSDP1's
+    ShardedTensors (here the optimizer state of flat parameters on one rank), which DCP reads."""
+    run_ranks(_round_trip_on_one_rank, 1, tmp_path)
+
+    def read(name):  # FSDP1 restores the keys of each parameter's optimizer state in an order of its own
+        state = torch.load(tmp_path / name / "checkpoint_0.pt", weights_only=True)
+        optimizer = state["optimizer"]
+        optimizer["state"] = {key: dict(sorted(value.items())) for key, value in optimizer["state"].items()}
+        return state
+
+    assert_state_equal(read("loaded"), read("saved"))
 
 
 def _before_the_first_step(rank, world_size, dirname):

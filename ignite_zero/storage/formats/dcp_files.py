@@ -26,7 +26,7 @@ import io
 import os
 import pickle
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, cast
 
 import torch
@@ -219,12 +219,12 @@ class PlaceStorageWriter(StorageWriter):
         def dump(stream: IO[bytes]) -> None:
             output = _Output(stream)
             # values first, then tensors, as DCP's own writer orders them
-            for item in sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO):
-                data = planner.resolve_data(item)
+            ordered = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+            for item, data in zip(ordered, _on_host(planner.resolve_data(item) for item in ordered)):
                 if isinstance(data, io.BytesIO):
                     record = output.value(data.getbuffer())
                 else:
-                    record = output.tensor(_contiguous(data))
+                    record = output.tensor(data)
                 info = _compat.dcp_storage_info(name, record.offset, record.length)
                 results.append(WriteResult(index=item.index, size_in_bytes=record.length, storage_data=info))
             self.written[name] = (output.size, output.crc)
@@ -256,9 +256,49 @@ class PlaceStorageWriter(StorageWriter):
         return False  # given explicitly, never picked by DCP from a path
 
 
-def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor that owns exactly its bytes, contiguous: a reader reads it straight into place."""
-    tensor = tensor.detach().cpu()
+def _on_host(values: Iterable[torch.Tensor | io.BytesIO]) -> Iterator[torch.Tensor | io.BytesIO]:
+    """Each value as it is written: a tensor as a CPU tensor that owns exactly its bytes, contiguous (a reader reads
+    it straight into place); any other value as it is.
+
+    A tensor on an accelerator is copied into pinned host memory on a stream of its own, and the next one's copy
+    runs while the current one is written: at most two tensors' host copies exist at a time. (A pageable ``.cpu()``
+    per tensor was measured 35 times slower than pinned copies on an H200.)
+    """
+    pending: tuple[torch.Tensor, Any] | None = None
+    stream: Any = None
+    for value in values:
+        if not (isinstance(value, torch.Tensor) and value.device.type == "cuda"):
+            if pending is not None:
+                yield _copied(pending)
+                pending = None
+            yield _owning(value.detach()) if isinstance(value, torch.Tensor) else value
+            continue
+        tensor = value.detach()
+        if stream is None:
+            stream = torch.cuda.Stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))  # what produced the tensor comes first
+        with torch.cuda.stream(stream):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        tensor.record_stream(stream)  # its memory is not reused before the copy ends
+        if pending is not None:
+            yield _copied(pending)
+        pending = (host, copied)
+    if pending is not None:
+        yield _copied(pending)
+
+
+def _copied(pending: tuple[torch.Tensor, Any]) -> torch.Tensor:
+    host, copied = pending
+    copied.synchronize()
+    return host
+
+
+def _owning(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that owns exactly its bytes, contiguous."""
+    tensor = tensor.cpu()
     if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
         tensor = tensor.clone(memory_format=torch.contiguous_format)
     return tensor
@@ -445,7 +485,7 @@ class SavedTensors:
         reads: list[tuple[str, Any, torch.Tensor | None]] = []
         for fqn, value in flat.items():
             saved = self._metadata.state_dict_metadata.get(fqn)
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, DTensor) or type(value) in (torch.Tensor, torch.nn.Parameter):
                 local = value.to_local() if isinstance(value, DTensor) else value
                 offsets, sizes = _compat.dtensor_block(value) if isinstance(value, DTensor) else _block_of(value)
                 if not (isinstance(saved, TensorStorageMetadata) and _holds(saved, offsets, sizes, local)):
@@ -455,6 +495,8 @@ class SavedTensors:
                 if record is None or record.data_offset < 0:
                     return False
                 reads.append((fqn, index, local.detach()))
+            elif isinstance(value, torch.Tensor):  # a ShardedTensor (FSDP1's): DCP reads it
+                return False
             elif isinstance(saved, BytesStorageMetadata) and self._record_of(MetadataIndex(fqn)) is not None:
                 reads.append((fqn, MetadataIndex(fqn), None))
             else:
