@@ -19,7 +19,7 @@ import torch
 
 from ignite_zero import tree
 
-__all__ = ["Source", "copy_into", "defer", "realize", "realize_all"]
+__all__ = ["Source", "copy_into", "defer", "is_deferred", "realize", "realize_all"]
 
 
 class Source(Protocol):
@@ -39,10 +39,15 @@ class Source(Protocol):
 _sources: weakref.WeakKeyDictionary[torch.UntypedStorage, Source] = weakref.WeakKeyDictionary()
 
 
+def is_deferred(value: Any) -> bool:
+    """Whether ``value`` is a tensor whose bytes are still to be read (on the meta device)."""
+    return isinstance(value, torch.Tensor) and value.is_meta
+
+
 def defer(value: Any, source: Source) -> Any:
     """Tie every meta tensor of ``value`` (nested) to ``source``; return ``value``."""
     for _, leaf in tree.leaves(value):
-        if isinstance(leaf, torch.Tensor) and leaf.is_meta:
+        if is_deferred(leaf):
             _sources[leaf.untyped_storage()] = source
     return value
 

@@ -117,7 +117,7 @@ def _restore(
         elif identity is not None:
             if _verifies(rank, reports, seers):
                 reader.verify(whole=False)
-            entries = reader.entries(objects, weights_only, in_place=True)
+            entries = reader.entries(objects, weights_only, into_objects=True)
         entries = _for_plain_optimizers(objects, _distribute(entries, [need for _, _, need, _ in reports], seers))
         _pair(objects, entries, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
     except Exception as error:
@@ -248,6 +248,8 @@ def _load_entry(obj: Any, entry: Any, kwargs: Mapping) -> None:
     """Restore ``obj`` from ``entry``, whose tensors may be deferred: read straight into ``obj``'s own tensors where
     ``obj`` is a module or an adapter that reads its parts itself, else into new ones first."""
     if isinstance(entry, Filled):
+        if entry.read is not None:
+            entry.read()
         obj.load_sharded(entry.state)
     elif isinstance(obj, ShardedState) and obj.loads_deferred:
         obj.load_state_dict(entry, **_module_kwargs(obj, kwargs))
@@ -265,7 +267,7 @@ def _read_into_module(module: nn.Module, entry: Any) -> None:
     own = module.state_dict(keep_vars=True)
     with torch.no_grad():
         for name, value in list(entry.items()):
-            if not (isinstance(value, torch.Tensor) and value.is_meta):
+            if not deferred.is_deferred(value):
                 entry[name] = deferred.realize_all(value)
                 continue
             target = own.get(name)

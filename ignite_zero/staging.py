@@ -13,13 +13,22 @@ beyond it).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from ignite_zero.pickling import join_tensors, split_tensors
 
-__all__ = ["Stager"]
+__all__ = ["PINNED_LIMIT", "Stager", "Streams", "current_streams", "on_host"]
+
+#: The CUDA stream current on each device, by device index.
+Streams = Mapping[int, Any]
+
+#: The largest tensor :func:`on_host` copies through pinned memory. torch's host allocator keeps each block it
+#: pinned, rounded up to a power of two, for the life of the process: at most two such blocks per writing thread.
+#: A larger tensor takes a pageable copy.
+PINNED_LIMIT = 256 << 20
 
 
 class Stager:
@@ -63,3 +72,78 @@ class Stager:
             buffer = self._buffers[(name, index)] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
         buffer.copy_(tensor, non_blocking=tensor.device.type == "cuda")
         return buffer
+
+
+def current_streams() -> dict[int, Any]:
+    """The CUDA stream current in this thread on each device (none without CUDA): what another thread's copies of
+    tensors made here must wait for."""
+    if not torch.cuda.is_initialized():
+        return {}
+    return {index: torch.cuda.current_stream(index) for index in range(torch.cuda.device_count())}
+
+
+def on_host(values: Iterable[Any], producers: Streams) -> Iterator[Any]:
+    """Each of ``values`` in turn, on the host: a tensor as a contiguous CPU tensor that owns exactly its bytes (so
+    that a reader reads it straight into place), anything else as it is.
+
+    A CUDA tensor up to :data:`PINNED_LIMIT` is copied into pinned memory on a stream of its own once the work of
+    its device's stream in ``producers`` is done, and the next one's copy runs while the caller writes this one: a
+    pageable ``.cpu()`` per tensor was measured 35 times slower than pinned copies on an H200. A caller that drops
+    each tensor before it asks for the next holds at most two copies.
+
+    Args:
+        values: tensors on any device, and other values.
+        producers: the streams the tensors were made on, by device (see :func:`current_streams`).
+    """
+    pending: tuple[torch.Tensor, Any] | None = None
+    streams: dict[torch.device, Any] = {}
+    for value in values:
+        copy = _pinned_copy(value.detach(), streams, producers) if _pinned(value) else None
+        if pending is not None:
+            host, copied = pending
+            pending = None
+            copied.synchronize()
+            yield host
+            del host
+        if copy is not None:
+            pending = copy
+        else:
+            yield _owning(value.detach()) if isinstance(value, torch.Tensor) else value
+    if pending is not None:
+        pending[1].synchronize()
+        yield pending[0]
+
+
+def _pinned(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "cuda" and value.nbytes <= PINNED_LIMIT
+
+
+def _pinned_copy(
+    tensor: torch.Tensor, streams: dict[torch.device, Any], producers: Streams
+) -> tuple[torch.Tensor, Any] | None:
+    """Start copying ``tensor`` into pinned memory: the copy and its event; ``None`` where memory cannot be pinned
+    (the caller copies it the usual way)."""
+    device = tensor.device
+    stream = streams.get(device)
+    if stream is None:
+        stream = streams[device] = torch.cuda.Stream(device)
+    producer = producers.get(device.index if device.index is not None else torch.cuda.current_device())
+    stream.wait_stream(producer if producer is not None else torch.cuda.current_stream(device))
+    try:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    except RuntimeError:  # no pinned memory left
+        return None
+    with torch.cuda.stream(stream):
+        host.copy_(tensor, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    tensor.record_stream(stream)  # its memory is not reused before the copy ends
+    return host, copied
+
+
+def _owning(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that owns exactly its bytes, contiguous."""
+    tensor = tensor.cpu()
+    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor

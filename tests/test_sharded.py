@@ -10,6 +10,7 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 from launcher import run_ranks
+from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -202,9 +203,9 @@ def test_corrupt_and_missing_files_are_refused(saved, tmp_path):
         sharded.verify(copy)
 
 
-def _pointers(objects):
-    """Where the memory of every tensor that a load should fill in place lies: the ZeRO optimizer's state and its
-    model's parameters, and FSDP2's parameters and optimizer state (FSDP1 reads into copies of its shards)."""
+def _filled_in_place(objects):
+    """Every tensor that a load should fill in place: the ZeRO optimizer's state and its model's parameters, and
+    FSDP2's parameters and optimizer state (FSDP1 reads into copies of its shards)."""
 
     def state(optimizer):
         return [value for values in optimizer.state.values() for value in values.values()]
@@ -212,19 +213,20 @@ def _pointers(objects):
     tensors = [*objects["side_model"].parameters(), *state(objects["side_optimizer"].optim)]
     if isinstance(next(objects["model"].parameters()), DTensor):
         tensors += [*objects["model"].parameters(), *state(objects["optimizer"])]
-    return [
-        (t.to_local() if isinstance(t, DTensor) else t).data_ptr()
-        for t in tensors
-        if isinstance(t, torch.Tensor) and t.dim() > 0
-    ]
+    return [(t.to_local() if isinstance(t, DTensor) else t).detach() for t in tensors if t.dim() > 0]
 
 
 def _load_in_place(rank, world_size, directory, corrupt):
     objects = mixed_objects("fsdp2" if "fsdp2" in str(directory) else "fsdp1", rank, seed=7)
     objects["trainer"].run(range(1), max_epochs=1)  # the optimizers' state exists
-    before = _pointers(objects)
+    before = [t.clone() for t in _filled_in_place(objects)]
+    # an object that does not fit the checkpoint: refused on every rank, and nothing changes, FSDP shards included
+    with pytest.raises(RankFailureError, match="does not fit the model"):
+        Checkpoint.load_objects({**objects, "side_model": nn.Linear(3, 3)}, directory / "checkpoint_4.dcp")
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, _filled_in_place(objects)))
+    pointers = [t.data_ptr() for t in _filled_in_place(objects)]
     Checkpoint.load_objects(objects, directory / "checkpoint_4.dcp")
-    in_place = _pointers(objects) == before
+    in_place = unchanged and [t.data_ptr() for t in _filled_in_place(objects)] == pointers
     again = {k: v for k, v in objects.items() if k != "trainer"}
     Checkpoint(again, directory / "in_place")(objects["trainer"])
     with pytest.raises(RankFailureError) as raised:
@@ -233,6 +235,8 @@ def _load_in_place(rank, world_size, directory, corrupt):
 
 
 def test_a_load_on_several_ranks_reads_into_the_objects_own_tensors(saved, tmp_path):
+    """Only once every rank has checked its entries: an object that does not fit changes nothing, FSDP shards
+    included; and a corrupt byte that every rank reads is the same error on every rank."""
     _, directory = saved
     corrupt = tmp_path / "corrupt.dcp"
     shutil.copytree(directory / "checkpoint_4.dcp", corrupt)

@@ -198,6 +198,25 @@ def test_our_reader_reads_into_place_and_reshards(tmp_path):
     torch.testing.assert_close(rows["model"]["weight"], state["model"]["weight"][10:20])
 
 
+def test_a_plan_reads_nothing_and_fills_what_lies_in_one_saved_chunk(tmp_path):
+    state, writer = _save_both(tmp_path)
+    place = LocalPlace(tmp_path / "ours")
+    saved = SavedTensors(place, writer.records, PlaceStorageReader(place, writer.records).read_metadata())
+    blank = _blank(state)
+    fill = saved.plan(blank)
+    assert fill is not None
+    _assert_equal(blank, _blank(state))  # nothing read yet
+    fill.read_values()
+    assert blank["trainer"] == state["trainer"] and torch.equal(blank["model"]["weight"], torch.zeros(40, 30))
+    fill.read_tensors()
+    _assert_equal(blank, state)
+    # a part of a saved tensor (to reshard), a tensor not saved, another dtype: no plan, and nothing read
+    for other in (torch.zeros(20, 30), torch.zeros(1), torch.zeros(40, 30, dtype=torch.float64)):
+        wanted = {"model": {"weight": other}, "trainer": {"epoch": None}}
+        assert saved.plan(wanted) is None and wanted["trainer"]["epoch"] is None and not other.any()
+    saved.close()
+
+
 def test_a_corrupt_byte_anywhere_in_an_entry_read_is_caught(tmp_path):
     state, writer = _save_both(tmp_path)
     path = tmp_path / "ours" / "__0_0.distcp"

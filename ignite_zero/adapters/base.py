@@ -102,13 +102,13 @@ class ShardedState(ABC):
         names from which any world size finds what it needs; a local call."""
         raise NotImplementedError(f"{type(self).__name__} cannot be saved sharded")
 
-    def sharded_template(self, saved: set[tuple[Any, ...]], in_place: bool = False) -> Any | None:
+    def sharded_template(self, saved: set[tuple[Any, ...]], live: bool = False) -> Any | None:
         """For a sharded load: a state of this rank's shards for ``torch.distributed.checkpoint`` to fill, or
         ``None`` to read whole the saved entries that :meth:`wants`.
 
         Args:
             saved: the paths of the entries saved for this object, relative to it.
-            in_place: the state may be the object's own tensors, filled in place; else new ones.
+            live: the state may hold the object's own tensors, to be filled in place; else new ones.
         """
         return None
 

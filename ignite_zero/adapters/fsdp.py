@@ -222,10 +222,10 @@ class FSDPModelState(_FSDPState):
         with _quiet_state_dict_apis():
             return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=False))
 
-    def sharded_template(self, saved: set[tuple[Any, ...]], in_place: bool = False) -> dict[str, Any]:
-        """This rank's shards (FSDP2's own parameters ``in_place``), or new tensors laid out alike: reading fills
+    def sharded_template(self, saved: set[tuple[Any, ...]], live: bool = False) -> dict[str, Any]:
+        """This rank's shards (FSDP2's own parameters when ``live``), or new tensors laid out alike: reading fills
         them, loading copies them in (onto themselves, at no cost)."""
-        return _maybe_fresh(self.sharded_state_dict(), in_place)
+        return _template(self.sharded_state_dict(), live)
 
     def load_sharded(self, state: Any) -> None:
         with _quiet_state_dict_apis():
@@ -312,17 +312,16 @@ class FSDPOptimizerState(_FSDPState):
         with _quiet_state_dict_apis():
             return get_optimizer_state_dict(self.module, self.obj, options=StateDictOptions(full_state_dict=False))
 
-    def sharded_template(self, saved: set[tuple[Any, ...]], in_place: bool = False) -> dict[str, Any] | None:
-        """This rank's optimizer state (its own tensors ``in_place``), or new tensors laid out alike; ``None`` when
+    def sharded_template(self, saved: set[tuple[Any, ...]], live: bool = False) -> dict[str, Any] | None:
+        """This rank's optimizer state (its own tensors when ``live``), or new tensors laid out alike; ``None`` when
         the checkpoint holds no state, or holds it by index (a plain optimizer's, read whole and then put by
         name)."""
         names = {slot.name for layout in _param_layouts(self.module).values() for slot in layout.slots}
         if not any(path[:1] == ("state",) and path[1] in names for path in saved if len(path) > 1):
             return None
         with _quiet_state_dict_apis():  # an optimizer without state gets it from a step with zero gradients
-            return _maybe_fresh(
-                get_optimizer_state_dict(self.module, self.obj, options=StateDictOptions(full_state_dict=False)),
-                in_place,
+            return _template(
+                get_optimizer_state_dict(self.module, self.obj, options=StateDictOptions(full_state_dict=False)), live
             )
 
     def load_sharded(self, state: Any) -> None:
@@ -355,11 +354,11 @@ def _quiet_state_dict_apis() -> Iterator[None]:
         yield
 
 
-def _maybe_fresh(state: Any, in_place: bool) -> Any:
-    """``state`` itself ``in_place``, else with new, empty tensors of the same layout: reading a checkpoint into them
-    changes nothing live. In place, FSDP2's sharded state reads into its parameters and optimizer state: 0.3 GB on
-    tmpfs took 0.19 s into new tensors (page faults), 0.08 s into those."""
-    if in_place:
+def _template(state: Any, live: bool) -> Any:
+    """``state`` itself when ``live``, else with new, empty tensors of the same layout: reading a checkpoint into them
+    changes nothing live. Live, FSDP2's sharded state reads into its parameters and optimizer state: 0.3 GB on tmpfs
+    took 0.19 s into new tensors (page faults), 0.08 s into those."""
+    if live:
         return state
 
     def fresh(_: tree.Path, value: Any) -> Any:

@@ -288,7 +288,7 @@ class ZeROState(ShardedState):
             for index, values in entry["state"].items():
                 existing = current.get(index, {})
                 for key, value in values.items():
-                    if isinstance(value, torch.Tensor) and value.is_meta:
+                    if deferred.is_deferred(value):
                         values[key] = _read_into(existing.get(key), value)
         self.obj.load_state_dict(entry)
 

@@ -18,6 +18,7 @@ from ignite_zero.storage.places import Place
 
 __all__ = [
     "ExportedTensor",
+    "CLOSED_EARLY",
     "Filled",
     "IntegrityError",
     "Reader",
@@ -49,11 +50,22 @@ def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     return zlib_ng.crc32(data, value)
 
 
+#: Why a read of a deferred tensor fails after its checkpoint was closed.
+CLOSED_EARLY = "was closed before this rank read all it loads from it"
+
+
 @dataclass(frozen=True)
 class Filled:
-    """An object's template of its own shards, filled from a sharded checkpoint: loaded with ``load_sharded``."""
+    """An object's template of its own shards, filled from a sharded checkpoint: loaded with ``load_sharded``.
+
+    Attributes:
+        state: the template.
+        read: what is still to read into it, when it is the object's own state: read when the object is restored,
+            once every rank has checked its entries.
+    """
 
     state: Any
+    read: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -136,15 +148,17 @@ class Reader(ABC):
         """When the checkpoint was completed, in seconds since the epoch."""
 
     @abstractmethod
-    def entries(self, objects: Mapping, weights_only: bool, in_place: bool = False) -> Any:
-        """The entry of every object of ``objects`` (nested as ``objects``): what this rank loads. Tensors read when
-        an object takes them are deferred (:mod:`ignite_zero.deferred`).
+    def entries(self, objects: Mapping, weights_only: bool, into_objects: bool = False) -> Any:
+        """The entry of every object of ``objects`` (nested as ``objects``): what this rank loads. Nothing of the
+        objects changes here: tensors read when an object is restored are deferred (:mod:`ignite_zero.deferred`), or
+        given in :class:`Filled` with what is still to read.
 
         Args:
             objects: the objects to load, adapted.
             weights_only: as for ``torch.load``.
-            in_place: what is read now may be read straight into the objects' own tensors (a collective load, where
-                a corrupt block leaves objects partly restored); else nothing of the objects changes here.
+            into_objects: read what the objects' own tensors can take straight into them as they are restored (a
+                collective load, where a corrupt block then leaves them partly restored); else what is not deferred
+                is read now, into new tensors.
         """
 
     @abstractmethod

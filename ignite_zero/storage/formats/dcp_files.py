@@ -5,13 +5,15 @@
 (and thread), each entry in it a ``torch.save`` archive of one tensor (or the pickled bytes of a value), and
 ``.metadata``, the pickled ``Metadata`` that says where each entry lies, written last by the coordinator. Plain
 ``dcp.load``, ``dcp_to_torch_save`` and torchtitan read the result. But the archives are written by
-:mod:`~ignite_zero.storage.formats.torch_zip`, straight from tensor memory, with the CRC-32 of every record in the
-same pass: :attr:`PlaceStorageWriter.written` gives each file's size and CRC-32, and :attr:`~PlaceStorageWriter.records`
-where each entry's data lies and its CRC-32, for the manifest.
+:mod:`~ignite_zero.storage.formats.torch_zip`, straight from the memory of CPU tensors (accelerator tensors are
+copied into pinned host memory one tensor ahead, :func:`ignite_zero.staging.on_host`), with the CRC-32 of every
+record in the same pass: :attr:`PlaceStorageWriter.written` gives each file's size and CRC-32, and
+:attr:`~PlaceStorageWriter.records` where each entry's data lies and its CRC-32, for the manifest.
 
 :class:`PlaceStorageReader` reads those entries with the manifest's records: each tensor's data straight into the
 tensor DCP loads it into (a part of a saved tensor: the saved tensor into a buffer, then the part copied), checked
-by its CRC-32 as it arrives, with no ``torch.load`` and no separate pass over the files.
+by its CRC-32 as it arrives, with no ``torch.load`` and no separate pass over the files. :class:`SavedTensors` reads
+them without DCP's planning: whole tensors by name, and a rank's shards where each is one saved chunk.
 
 On 2 ranks of FSDP2 (0.6 GB of state, tmpfs, 2-core machine), DCP's writer spent most of a save's time in
 ``torch.save`` of each tensor into the file and a copy into its stream; its reader a ``torch.load`` of each entry
@@ -26,7 +28,7 @@ import io
 import os
 import pickle
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Any, cast
 
 import torch
@@ -52,12 +54,20 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 from zlib_ng import zlib_ng
 
-from ignite_zero import _compat
+from ignite_zero import _compat, staging
 from ignite_zero.storage.formats import torch_zip
-from ignite_zero.storage.formats.base import IntegrityError
+from ignite_zero.storage.formats.base import CLOSED_EARLY, IntegrityError
 from ignite_zero.storage.places import Place, place_of
 
-__all__ = ["METADATA", "EntryRecord", "PlaceStorageReader", "PlaceStorageWriter", "SavedTensors"]
+__all__ = [
+    "METADATA",
+    "EntryRecord",
+    "Fill",
+    "PlaceStorageReader",
+    "PlaceStorageWriter",
+    "SavedTensor",
+    "SavedTensors",
+]
 
 #: The file DCP's metadata is written to, last: a directory without it is incomplete.
 METADATA = ".metadata"
@@ -204,27 +214,31 @@ class PlaceStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
         files = [(f"{prefix}{n}{_SUFFIX}", items) for n, items in enumerate(_split(plan.items, self.thread_count))]
+        producers = staging.current_streams()  # this thread's: the writing threads copy after their work
         if len(files) == 1:
-            results = self._write_file(files[0][0], files[0][1], planner)
+            results = self._write_file(files[0][0], files[0][1], planner, producers)
         else:
             with concurrent.futures.ThreadPoolExecutor(len(files), thread_name_prefix="ignite_zero-write") as pool:
-                results = [r for part in pool.map(lambda f: self._write_file(f[0], f[1], planner), files) for r in part]
+                parts = pool.map(lambda f: self._write_file(f[0], f[1], planner, producers), files)
+                results = [result for part in parts for result in part]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
-    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner, producers: staging.Streams
+    ) -> list[WriteResult]:
         results: list[WriteResult] = []
 
         def dump(stream: IO[bytes]) -> None:
             output = _Output(stream)
             # values first, then tensors, as DCP's own writer orders them
             ordered = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)
-            for item, data in zip(ordered, _on_host(planner.resolve_data(item) for item in ordered)):
-                if isinstance(data, io.BytesIO):
-                    record = output.value(data.getbuffer())
-                else:
-                    record = output.tensor(data)
+            on_host = staging.on_host((planner.resolve_data(item) for item in ordered), producers)
+            for item in ordered:
+                data = next(on_host)
+                record = output.value(data.getbuffer()) if isinstance(data, io.BytesIO) else output.tensor(data)
+                del data  # its host copy goes before the next one is made
                 info = _compat.dcp_storage_info(name, record.offset, record.length)
                 results.append(WriteResult(index=item.index, size_in_bytes=record.length, storage_data=info))
             self.written[name] = (output.size, output.crc)
@@ -254,54 +268,6 @@ class PlaceStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return False  # given explicitly, never picked by DCP from a path
-
-
-def _on_host(values: Iterable[torch.Tensor | io.BytesIO]) -> Iterator[torch.Tensor | io.BytesIO]:
-    """Each value as it is written: a tensor as a CPU tensor that owns exactly its bytes, contiguous (a reader reads
-    it straight into place); any other value as it is.
-
-    A tensor on an accelerator is copied into pinned host memory on a stream of its own, and the next one's copy
-    runs while the current one is written: at most two tensors' host copies exist at a time. (A pageable ``.cpu()``
-    per tensor was measured 35 times slower than pinned copies on an H200.)
-    """
-    pending: tuple[torch.Tensor, Any] | None = None
-    stream: Any = None
-    for value in values:
-        if not (isinstance(value, torch.Tensor) and value.device.type == "cuda"):
-            if pending is not None:
-                yield _copied(pending)
-                pending = None
-            yield _owning(value.detach()) if isinstance(value, torch.Tensor) else value
-            continue
-        tensor = value.detach()
-        if stream is None:
-            stream = torch.cuda.Stream(tensor.device)
-        stream.wait_stream(torch.cuda.current_stream(tensor.device))  # what produced the tensor comes first
-        with torch.cuda.stream(stream):
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host.copy_(tensor, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(stream)
-        tensor.record_stream(stream)  # its memory is not reused before the copy ends
-        if pending is not None:
-            yield _copied(pending)
-        pending = (host, copied)
-    if pending is not None:
-        yield _copied(pending)
-
-
-def _copied(pending: tuple[torch.Tensor, Any]) -> torch.Tensor:
-    host, copied = pending
-    copied.synchronize()
-    return host
-
-
-def _owning(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor that owns exactly its bytes, contiguous."""
-    tensor = tensor.cpu()
-    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
-        tensor = tensor.clone(memory_format=torch.contiguous_format)
-    return tensor
 
 
 def _split(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
@@ -339,7 +305,7 @@ class PlaceStorageReader(StorageReader):
     def __init__(self, place: Place, records: Mapping[str, Sequence[EntryRecord]]) -> None:
         super().__init__()
         self.place = place
-        self._records = {(name, record.offset): record for name, part in records.items() for record in part}
+        self._entries = _Entries(place, records)
         self._storage_data: dict[MetadataIndex, Any] = {}
         self._metadata: Metadata | None = None
 
@@ -348,7 +314,7 @@ class PlaceStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         content = self.place.read(METADATA)
-        record = self._records.get((METADATA, 0))
+        record = self._entries.recorded(METADATA, 0)
         if record is None or len(content) != record.length:
             where = self.place.location(METADATA)
             raise IntegrityError(f"{where} has {len(content)} bytes, not what its manifest says (truncated?)")
@@ -382,14 +348,7 @@ class PlaceStorageReader(StorageReader):
         return future
 
     def _read_item(self, name: str, f: IO[bytes], item: ReadItem, planner: LoadPlanner) -> None:
-        info = self._storage_data[item.storage_index]
-        record = self._records.get((name, info.offset))
-        if record is None or record.length != info.length:
-            raise IntegrityError(
-                f"{self.place}: the manifest has no record of the entry at {info.offset} of {name} (corrupt manifest "
-                "or .metadata?)"
-            )
-        where = f"{self.place.location(name)}, entry {item.storage_index.fqn} at {record.offset}"
+        record, where = self._entries.of(self._storage_data[item.storage_index], item.storage_index.fqn)
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(_read_whole(f, record, where)))
             return
@@ -426,13 +385,39 @@ class PlaceStorageReader(StorageReader):
         return False
 
 
-class SavedTensors:
-    """Whole saved tensors of a checkpoint directory that :class:`PlaceStorageWriter` wrote, read by name without
-    DCP's planning: each chunk's entry straight into its place in the destination, checked as it arrives.
+class _Entries:
+    """The manifest's records of a directory's entries, found by where DCP's metadata says each lies."""
 
-    What a load reads whole (a model every rank holds, a ZeRO optimizer's partition) is read this way when its
-    object takes it, into the object's own tensors: reading 0.3 GB into new memory cost 3x reading it into tensors
-    that exist (their page faults; 0.21 s against 0.06 s on tmpfs).
+    def __init__(self, place: Place, records: Mapping[str, Sequence[EntryRecord]]) -> None:
+        self.place = place
+        self._records = {(name, record.offset): record for name, part in records.items() for record in part}
+
+    def recorded(self, name: str, offset: int, length: int | None = None) -> EntryRecord | None:
+        """The record of the entry at ``offset`` of the file ``name`` (of ``length`` bytes), if the manifest has it."""
+        record = self._records.get((name, offset))
+        return record if record is not None and length in (None, record.length) else None
+
+    def of(self, info: Any, fqn: str) -> tuple[EntryRecord, str]:
+        """The record of the entry that DCP's storage information ``info`` locates, and where it lies, for messages.
+
+        Raises:
+            IntegrityError: the manifest has no such record.
+        """
+        where = f"{self.place.location(info.relative_path)}, entry {fqn} at {info.offset}"
+        record = self.recorded(info.relative_path, info.offset, info.length)
+        if record is None:
+            raise IntegrityError(f"{where}: the manifest has no record of it (corrupt manifest or .metadata?)")
+        return record, where
+
+
+class SavedTensors:
+    """The entries of a checkpoint directory that :class:`PlaceStorageWriter` wrote, read without DCP's planning:
+    each straight into its place in the destination, checked as it arrives.
+
+    What a load reads whole (a model every rank holds, a ZeRO optimizer's partition) is read this way, by name, when
+    its object takes it, into the object's own tensors: reading 0.3 GB into new memory cost 3x reading it into
+    tensors that exist (their page faults; 0.21 s against 0.06 s on tmpfs). A rank's own shards, on the world size
+    that saved them, are read this way too (:meth:`plan`).
 
     Args:
         place: the checkpoint directory.
@@ -442,7 +427,7 @@ class SavedTensors:
 
     def __init__(self, place: Place, records: Mapping[str, Sequence[EntryRecord]], metadata: Metadata) -> None:
         self.place = place
-        self._records = {(name, record.offset): record for name, part in records.items() for record in part}
+        self._entries = _Entries(place, records)
         self._metadata = metadata
         self._files: dict[str, IO[bytes]] = {}
         self._closed = False
@@ -461,10 +446,7 @@ class SavedTensors:
             into = torch.empty(storage.size, dtype=dtype)
         for chunk in storage.chunks:
             info = self._metadata.storage_data[MetadataIndex(fqn, chunk.offsets)]
-            where = f"{self.place.location(info.relative_path)}, entry {fqn} at {info.offset}"
-            record = self._records.get((info.relative_path, info.offset))
-            if record is None or record.length != info.length:
-                raise IntegrityError(f"{where}: the manifest has no record of it (corrupt manifest or .metadata?)")
+            record, where = self._entries.of(info, fqn)
             f = self._open(info.relative_path)
             region = into
             for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
@@ -472,54 +454,6 @@ class SavedTensors:
             if not _read_saved_into(f, record, region, dtype, where):
                 region.copy_(_read_saved(f, record, chunk.sizes, dtype, where))
         return into
-
-    def fill(self, state: dict[str, Any]) -> bool:
-        """Fill ``state``, a nested state as DCP loads it (tensors, ``DTensor``\\ s and values), in place and without
-        DCP's planning, where each of its tensors is exactly one saved chunk (a rank's own shards, on the world size
-        that saved them; a tensor saved whole): straight from the entries, checked as they arrive. ``False``, having
-        read nothing, where some tensor needs resharding or an entry is missing: DCP reads it then.
-
-        DCP's planning took 0.015 s of a 0.11 s load of 0.3 GB of FSDP2 shards (tmpfs).
-        """
-        flat, paths = _compat.dcp_flatten(state)
-        reads: list[tuple[str, Any, torch.Tensor | None]] = []
-        for fqn, value in flat.items():
-            saved = self._metadata.state_dict_metadata.get(fqn)
-            if isinstance(value, DTensor) or type(value) in (torch.Tensor, torch.nn.Parameter):
-                local = value.to_local() if isinstance(value, DTensor) else value
-                offsets, sizes = _compat.dtensor_block(value) if isinstance(value, DTensor) else _block_of(value)
-                if not (isinstance(saved, TensorStorageMetadata) and _holds(saved, offsets, sizes, local)):
-                    return False
-                index = MetadataIndex(fqn, offsets)
-                record = self._record_of(index)
-                if record is None or record.data_offset < 0:
-                    return False
-                reads.append((fqn, index, local.detach()))
-            elif isinstance(value, torch.Tensor):  # a ShardedTensor (FSDP1's): DCP reads it
-                return False
-            elif isinstance(saved, BytesStorageMetadata) and self._record_of(MetadataIndex(fqn)) is not None:
-                reads.append((fqn, MetadataIndex(fqn), None))
-            else:
-                return False
-        for fqn, index, target in reads:
-            info = self._metadata.storage_data[index]
-            where = f"{self.place.location(info.relative_path)}, entry {fqn} at {info.offset}"
-            record = self._record_of(index)
-            assert record is not None
-            f = self._open(info.relative_path)
-            if target is not None:
-                _read_entry(f, record, torch_zip.tensor_bytes(target), where)
-                continue
-            node: Any = state  # a value: read and put where it was, as DCP's planner loads it
-            for step in paths[fqn][:-1]:
-                node = node[step]
-            node[paths[fqn][-1]] = torch.load(io.BytesIO(_read_whole(f, record, where)), weights_only=False)
-        return True
-
-    def _record_of(self, index: MetadataIndex) -> EntryRecord | None:
-        info = self._metadata.storage_data.get(index)
-        record = None if info is None else self._records.get((info.relative_path, info.offset))
-        return record if record is not None and record.length == info.length else None
 
     def fits(self, fqn: str, target: torch.Tensor) -> bool:
         """Whether :meth:`read` can read ``fqn`` into ``target``."""
@@ -531,9 +465,60 @@ class SavedTensors:
             and (target.shape, target.dtype) == (storage.size, storage.properties.dtype)
         )
 
+    def plan(self, state: dict[str, Any]) -> Fill | None:
+        """How to fill ``state``, a nested state as DCP loads it (tensors, ``DTensor``\\ s and values), in place and
+        without DCP's planning: where each of its tensors is exactly one saved chunk (a rank's own shards, on the
+        world size that saved them; a tensor saved whole). ``None`` where some tensor needs resharding or an entry is
+        not recorded (DCP reads it then). Reads nothing.
+
+        DCP's planning took 0.015 s of a 0.11 s load of 0.3 GB of FSDP2 shards (tmpfs).
+        """
+        flat, paths = _compat.dcp_flatten(state)
+        values: list[tuple[MetadataIndex, tuple[Any, ...]]] = []
+        tensors: list[tuple[MetadataIndex, torch.Tensor]] = []
+        for fqn, value in flat.items():
+            saved = self._metadata.state_dict_metadata.get(fqn)
+            if isinstance(value, DTensor) or type(value) in (torch.Tensor, torch.nn.Parameter):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                offsets, sizes = _compat.dtensor_block(value) if isinstance(value, DTensor) else _block_of(value)
+                index = MetadataIndex(fqn, offsets)
+                if not (isinstance(saved, TensorStorageMetadata) and _holds(saved, offsets, sizes, local)):
+                    return None
+                record = self._recorded(index)
+                if record is None or record.data_offset < 0:
+                    return None
+                tensors.append((index, local.detach()))
+            elif isinstance(saved, BytesStorageMetadata) and not isinstance(value, torch.Tensor):
+                if self._recorded(MetadataIndex(fqn)) is None:
+                    return None
+                values.append((MetadataIndex(fqn), paths[fqn]))
+            else:  # a ShardedTensor (FSDP1's), or what the directory does not hold: DCP reads it, or says so
+                return None
+        values.sort(key=lambda read: self._place_of(read[0]))  # in file order, as DCP's reader reads
+        tensors.sort(key=lambda read: self._place_of(read[0]))
+        return Fill(self, state, values, tensors)
+
+    def _recorded(self, index: MetadataIndex) -> EntryRecord | None:
+        info = self._metadata.storage_data.get(index)
+        return None if info is None else self._entries.recorded(info.relative_path, info.offset, info.length)
+
+    def _place_of(self, index: MetadataIndex) -> tuple[str, int]:
+        info = self._metadata.storage_data[index]
+        return info.relative_path, info.offset
+
+    def read_entry(self, index: MetadataIndex, into: memoryview | None = None) -> bytearray | None:
+        """The entry ``index``: a value's bytes, whole; or a tensor's bytes read into ``into``, checked."""
+        info = self._metadata.storage_data[index]
+        record, where = self._entries.of(info, index.fqn)
+        f = self._open(info.relative_path)
+        if into is None:
+            return _read_whole(f, record, where)
+        _read_entry(f, record, into, where)
+        return None
+
     def _open(self, name: str) -> IO[bytes]:
         if self._closed:
-            raise RuntimeError(f"{self.place} was closed before this rank read all it loads from it")
+            raise RuntimeError(f"{self.place} {CLOSED_EARLY}")
         if name not in self._files:
             self._files[name] = self.place.open(name)
         return self._files[name]
@@ -545,6 +530,68 @@ class SavedTensors:
         self._files.clear()
 
 
+class SavedTensor:
+    """One saved tensor of a directory, read whole when its object takes it: the
+    :class:`~ignite_zero.deferred.Source` of the views of its meta tensor.
+
+    Args:
+        saved: the directory's entries.
+        fqn: the tensor's name.
+        size: its shape.
+    """
+
+    def __init__(self, saved: SavedTensors, fqn: str, size: torch.Size) -> None:
+        self._saved = saved
+        self._fqn = fqn
+        self._size = size
+
+    def read(self, view: torch.Tensor) -> torch.Tensor:
+        whole = self._saved.read(self._fqn)
+        if self._is_whole(view):
+            return whole
+        return torch.empty(0, dtype=view.dtype).set_(
+            whole.untyped_storage(), view.storage_offset(), view.size(), view.stride()
+        )
+
+    def read_into(self, view: torch.Tensor, target: torch.Tensor) -> bool:
+        if not (self._is_whole(view) and self._saved.fits(self._fqn, target)):
+            return False
+        self._saved.read(self._fqn, target)
+        return True
+
+    def _is_whole(self, view: torch.Tensor) -> bool:
+        return view.storage_offset() == 0 and view.shape == self._size and view.is_contiguous()
+
+
+@dataclasses.dataclass(frozen=True)
+class Fill:
+    """What :meth:`SavedTensors.plan` found: the values and the tensors of a state, each in one entry.
+
+    A collective load reads the values when it reads what every object needs, and the tensors, into the objects'
+    own memory, only once every rank has checked its entries.
+    """
+
+    saved: SavedTensors
+    state: dict[str, Any]
+    values: list[tuple[MetadataIndex, tuple[Any, ...]]]
+    tensors: list[tuple[MetadataIndex, torch.Tensor]]
+
+    def read_values(self) -> None:
+        """Read each value and put it where it was in the state, as DCP's planner loads it."""
+        for index, path in self.values:
+            content = self.saved.read_entry(index)
+            assert content is not None
+            node: Any = self.state
+            for step in path[:-1]:
+                node = node[step]
+            node[path[-1]] = torch.load(io.BytesIO(content), weights_only=False)
+
+    def read_tensors(self) -> None:
+        """Read each tensor straight into its place."""
+        for index, target in self.tensors:
+            self.saved.read_entry(index, torch_zip.tensor_bytes(target))
+
+
 def _block_of(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The offsets and sizes of a tensor that is whole."""
     return (0,) * tensor.dim(), tuple(tensor.shape)
@@ -553,13 +600,10 @@ def _block_of(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def _holds(saved: TensorStorageMetadata, offsets: Sequence[int], sizes: Sequence[int], local: torch.Tensor) -> bool:
     """Whether one chunk of ``saved`` is exactly the block ``offsets``, ``sizes``, which ``local`` holds in CPU memory
     laid out as saved."""
-    fits = local.device.type == "cpu" and local.is_contiguous() and local.dtype == saved.properties.dtype
-    chunk = (tuple(offsets), tuple(sizes))
-    return (
-        fits
-        and tuple(local.shape) == chunk[1]
-        and any((tuple(c.offsets), tuple(c.sizes)) == chunk for c in saved.chunks)
-    )
+    block = (tuple(offsets), tuple(sizes))
+    laid_out = local.device.type == "cpu" and local.is_contiguous() and local.dtype == saved.properties.dtype
+    chunks = {(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in saved.chunks}
+    return laid_out and tuple(local.shape) == block[1] and block in chunks
 
 
 def _read_saved_into(f: IO[bytes], record: EntryRecord, target: torch.Tensor, dtype: torch.dtype, where: str) -> bool:

@@ -21,7 +21,7 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -43,7 +43,14 @@ from ignite_zero.storage.formats.base import (
     tensor_entry,
     written_by,
 )
-from ignite_zero.storage.formats.dcp_files import EntryRecord, PlaceStorageReader, PlaceStorageWriter, SavedTensors
+from ignite_zero.storage.formats.dcp_files import (
+    EntryRecord,
+    Fill,
+    PlaceStorageReader,
+    PlaceStorageWriter,
+    SavedTensor,
+    SavedTensors,
+)
 from ignite_zero.storage.places import Place, place_of
 
 __all__ = [
@@ -271,37 +278,10 @@ def template(
             device = "cpu" if saved is None else "meta"
             flat[name] = torch.empty(storage.size, dtype=storage.properties.dtype, device=device)
             if saved is not None:
-                deferred.defer(flat[name], _SavedTensor(saved, name, storage.size))
+                deferred.defer(flat[name], SavedTensor(saved, name, storage.size))
         elif isinstance(storage, BytesStorageMetadata):
             flat[name] = None
     return flat
-
-
-class _SavedTensor:
-    """One saved tensor of a directory, read whole when its object takes it (a :class:`~ignite_zero.deferred.Source`
-    for the views of its meta tensor)."""
-
-    def __init__(self, saved: SavedTensors, fqn: str, size: torch.Size) -> None:
-        self._saved = saved
-        self._fqn = fqn
-        self._size = size
-
-    def read(self, view: torch.Tensor) -> torch.Tensor:
-        whole = self._saved.read(self._fqn)
-        if self._is_whole(view):
-            return whole
-        return torch.empty(0, dtype=view.dtype).set_(
-            whole.untyped_storage(), view.storage_offset(), view.size(), view.stride()
-        )
-
-    def read_into(self, view: torch.Tensor, target: torch.Tensor) -> bool:
-        if not (self._is_whole(view) and self._saved.fits(self._fqn, target)):
-            return False
-        self._saved.read(self._fqn, target)
-        return True
-
-    def _is_whole(self, view: torch.Tensor) -> bool:
-        return view.storage_offset() == 0 and view.shape == self._size and view.is_contiguous()
 
 
 def nest(metadata: Metadata, flat: Mapping[str, Any]) -> dict[str, Any]:
@@ -493,17 +473,22 @@ class DirectoryReader(Reader):
             raise KeyError(f"The checkpoint {self.path} has no tensors under {only!r}; pass --only with another entry")
         return found, {}
 
-    def entries(self, objects: Mapping, weights_only: bool, in_place: bool = False) -> Any:
-        """What each object needs: its own shards where it gives a template, read now (straight into its own tensors
-        ``in_place``); else the saved entries it wants, whole (optimizer state keyed by index again), their tensors
-        deferred, each read when its object takes it, straight into the object's tensor where it fits. An earlier
-        release's directory (no records of entries) is read whole now, into new tensors."""
+    def entries(self, objects: Mapping, weights_only: bool, into_objects: bool = False) -> Any:
+        """What each object needs: its own shards where it gives a template, else the saved entries it wants, whole
+        (optimizer state keyed by index again), their tensors deferred, each read when its object takes it, straight
+        into the object's tensor where it fits.
+
+        Shards are read now into new tensors, or, ``into_objects``, into the object's own when it is restored, where
+        they are exactly as saved (else, to reshard, now into new ones). An earlier release's directory (no records
+        of entries) is read whole now, into new tensors.
+        """
         records = self._records()
         metadata = read_metadata(self.place, records)
         if records is not None and self._saved is None:
             self._saved = SavedTensors(self.place, records, metadata)
         saved = {path_of(metadata, name) for name in metadata.state_dict_metadata}
         templates: dict[tuple[Any, ...], Any] = {}
+        later: dict[tuple[Any, ...], Fill] = {}  # shards read into the objects' own tensors as they are restored
         flat: dict[str, Any] = {}
         for path, obj in tree.leaves(objects):
             relative = {p[len(path) :] for p in saved if p[: len(path)] == path}
@@ -513,8 +498,14 @@ class DirectoryReader(Reader):
                     f"holds {sorted({str(p[0]) for p in saved})}); load only the objects it holds, or pass the right "
                     "directory."
                 )
-            own = obj.sharded_template(relative, in_place) if isinstance(obj, ShardedState) else None
+            own = obj.sharded_template(relative, into_objects) if isinstance(obj, ShardedState) else None
             if own is not None:
+                fill = None if self._saved is None or not into_objects else self._saved.plan({name_of(path): own})
+                if fill is not None:
+                    fill.read_values()  # into the template's own structures: nothing of the object changes
+                    later[path] = fill
+                elif into_objects:  # to reshard: read now, into new tensors, before every rank's checks
+                    own = cast(ShardedState, obj).sharded_template(relative, False)
                 templates[path] = own
                 continue
             wants: Callable[[tree.Path], bool] = obj.wants if isinstance(obj, ShardedState) else (lambda _: True)
@@ -523,23 +514,22 @@ class DirectoryReader(Reader):
                 return p[: len(path)] == path and wants(p[len(path) :])
 
             flat.update(template(metadata, keep, self._saved))
-        state: dict[str, Any] = {name: value for name, value in flat.items() if not _is_deferred(value)}
-        for path, own in templates.items():
-            state[name_of(path)] = own
-        if self._saved is None or not self._saved.fill(state):  # DCP plans what needs resharding
-            load(state, self.place, records)
-        nested = nest(metadata, {name: state.get(name, value) for name, value in flat.items()})
+        now: dict[str, Any] = {name: value for name, value in flat.items() if not deferred.is_deferred(value)}
+        now.update({name_of(path): own for path, own in templates.items() if path not in later})
+        fill = None if self._saved is None else self._saved.plan(now)
+        if fill is None:  # DCP plans what needs resharding
+            load(now, self.place, records)
+        else:
+            fill.read_values()
+            fill.read_tensors()
+        nested = nest(metadata, {name: now.get(name, value) for name, value in flat.items()})
 
         def entry(path: tuple[Any, ...], _: Any) -> Any:
             if path in templates:
-                return Filled(state[name_of(path)])
+                return Filled(templates[path], later[path].read_tensors if path in later else None)
             return as_saved_optimizer_state(tree.get(nested, path))
 
         return tree.map_tree(entry, objects)
-
-
-def _is_deferred(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_meta
 
 
 # What a consolidation reads at a time: the whole state is held at the end, but progress shows batch by batch.

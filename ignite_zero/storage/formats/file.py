@@ -39,6 +39,7 @@ from ignite_zero import _compat, deferred, tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.storage.formats.base import (
+    CLOSED_EARLY,
     ExportedTensor,
     IntegrityError,
     Reader,
@@ -653,7 +654,7 @@ class FileReader(Reader):
             found.append(ExportedTensor(name, value.dtype, tuple(value.shape), read, release))
         return found, aliases
 
-    def entries(self, objects: Mapping, weights_only: bool, in_place: bool = False) -> Any:
+    def entries(self, objects: Mapping, weights_only: bool, into_objects: bool = False) -> Any:
         """What ``objects`` load, its tensors deferred (:mod:`ignite_zero.deferred`): each is read when it is loaded,
         straight into the tensor it is loaded into where the layouts allow, or into a new one, each block checked as it
         arrives (:class:`ReadChecks`). A rank reads its part of each sharded entry only (FSDP's parts of each tensor,
@@ -756,7 +757,7 @@ class _Parts:
     def _where(self, view: torch.Tensor) -> tuple[int, int, tuple[int, int]]:
         """Where the record of ``view`` lies in the file, its size, and the bytes of it that ``view`` spans."""
         if self._f.closed:
-            raise RuntimeError(f"{self._path} was closed before this rank read all it loads from it")
+            raise RuntimeError(f"{self._path} {CLOSED_EARLY}")
         storage = view.untyped_storage()
         record = _compat.storage_offset_in_file(storage)
         first, last = _extent(view)
