@@ -277,8 +277,8 @@ def _round_trip_on_one_rank(rank, world_size, dirname):
 
 
 def test_shards_read_on_the_world_size_that_saved_them(tmp_path):
-    """On the world size that saved them, shards are read straight from their entries, except FSDP1's
-    ShardedTensors (here the optimizer state of flat parameters on one rank), which DCP reads."""
+    """On the world size that saved them, FSDP1's ShardedTensors (here the optimizer state of flat parameters on one
+    rank, whose one shard is the whole tensor) load what was saved: DCP reads them, not the reads of plain shards."""
     run_ranks(_round_trip_on_one_rank, 1, tmp_path)
 
     def read(name):  # FSDP1 restores the keys of each parameter's optimizer state in an order of its own
