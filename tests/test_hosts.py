@@ -88,7 +88,7 @@ def test_a_host_lost_at_a_save(tmp_path: Path, free_port: int) -> None:
     sync_timeout = 5
     for kind, text, elapsed in (s["lost"] for s in seen):
         assert kind == "CollectiveTimeoutError" and "waiting for ranks [2, 3]" in text, text
-        assert sync_timeout <= elapsed < 3 * sync_timeout, elapsed
+        assert sync_timeout <= elapsed < 1.5 * sync_timeout, elapsed  # one timeout, not one per round
     assert [s["files"] for s in seen] == [["checkpoint_1.pt"]] * 2
     earlier = tmp_path / "disk-0" / "files" / "checkpoint_1.pt"
     assert cli.main(["verify", str(earlier)]) == 0
@@ -142,8 +142,8 @@ def test_replicas_on_node_local_disks(tmp_path: Path, free_port: int) -> None:
     for kind, text, elapsed in (s["lost"] for s in seen):
         # the ranks of the lost host that had not come to the round where the others gave up: both, or one of them
         assert kind == "CollectiveTimeoutError" and re.search(r"waiting for ranks \[(2|3|2, 3)\]", text), text
-        # one timeout, or two where a transfer to a dead rank waits out its own first: the round after gives up at once
-        assert sync_timeout <= elapsed < 2.5 * sync_timeout, elapsed
+        # one timeout: the rounds after it give up at once, and none waits out a rank that died after it posted
+        assert sync_timeout <= elapsed < 1.5 * sync_timeout, elapsed
     assert [sorted(s["files"]) for s in seen] == [["checkpoint_4.dcp", "checkpoint_5.dcp"]] * 2
 
     # the first host alone, two ranks: the checkpoint of four ranks, from its disk
