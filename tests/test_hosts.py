@@ -122,6 +122,9 @@ def test_replicas_on_node_local_disks(tmp_path: Path, free_port: int) -> None:
     assert any("checkpoint_3.dcp" in line and "['__1_0.distcp'] survive on no host" in line for line in seen[0]["log"])
     assert seen[1]["fetched"]["checkpoint_2.dcp"] == every_file
     assert [s["next"]["checkpoint_4.dcp"] for s in seen] == [every_file] * 2
+    # retention from what both hosts held at the resume: checkpoint_2 removed from both, though the recipient's
+    # replaced host listed only checkpoint_3 then
+    assert [sorted(s["next"]) for s in seen] == [["checkpoint_3.dcp", "checkpoint_4.dcp"]] * 2
     assert sorted(os.listdir(durable)) == ["checkpoint_2.pt"]
 
     # more ranks: two a host, the second host's disk emptied; then that host lost at a save
