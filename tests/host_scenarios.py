@@ -6,7 +6,9 @@ Each rank leaves what it saw in ``WORKDIR/result-RANK.pkl``: ``(True, value)``, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import logging
 import os
 import pickle
@@ -25,7 +27,7 @@ from ignite.engine import Engine, Events
 from launcher import attempt
 from training import assert_state_equal, tiny_model, train_step, zero_adam
 
-from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, find_latest
+from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, cli, find_latest
 
 SYNC_TIMEOUT = 20.0
 
@@ -222,6 +224,20 @@ def replicated(workdir: Path, node_local: Path) -> dict[str, Any]:
     if rank == 0:
         torch.save(objects["model"].state_dict(), workdir / "model-4.pt")
     return seen
+
+
+def three_hosts(workdir: Path, node_local: Path) -> dict[str, Any]:
+    """Three hosts of one rank, each rank's files kept on one other host: what each host holds, and
+    ``ignite-zero verify`` of its directory there."""
+    rank = idist.get_rank()
+    objects = _objects(rank)
+    train_step(objects["model"], objects["optimizer"], rank, 1)
+    handler = Checkpoint(objects, ShardedSaver(node_local / "fast", replicas=1), sync_timeout=SYNC_TIMEOUT)
+    handler(Engine(lambda e, b: None))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = cli.main(["verify", str(handler.last_checkpoint)])
+    return {"files": _files(node_local / "fast"), "verify": (status, printed.getvalue())}
 
 
 def grown(workdir: Path, node_local: Path) -> dict[str, Any]:

@@ -25,6 +25,9 @@ from hosts import refusal, start_hosts, wait_for
 from training import assert_state_equal, tiny_model
 
 from ignite_zero import Checkpoint, cli
+from ignite_zero.storage.formats import IntegrityError
+from ignite_zero.storage.places import LocalPlace
+from ignite_zero.storage.replicas import holding
 
 REFUSAL = refusal()
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(REFUSAL is not None, reason=REFUSAL or "")]
@@ -154,3 +157,34 @@ def test_replicas_on_node_local_disks(tmp_path: Path, free_port: int) -> None:
         (tmp_path / name).unlink()
     wait_for(start_hosts("shrunk", tmp_path, nnodes=1, port=free_port), timeout=120)
     assert [s["resumed"] for s in _results(tmp_path, range(2))] == [str(fast / "checkpoint_5.dcp")] * 2
+
+
+def test_verify_on_each_of_three_hosts(tmp_path: Path, free_port: int) -> None:
+    """Three hosts of one rank, ``replicas=1``: each host holds its own files and the host's before it by name;
+    ``ignite-zero verify`` of its directory checks those and names the files that live elsewhere."""
+    wait_for(start_hosts("three_hosts", tmp_path, nnodes=3, nproc_per_node=1, port=free_port), timeout=120)
+    seen = _results(tmp_path, range(3))
+    held = [[".metadata", "__0_0.distcp", "__2_0.distcp"], [".metadata", "__0_0.distcp", "__1_0.distcp"]]
+    held.append(["__1_0.distcp", "__2_0.distcp"])
+    assert [s["files"]["checkpoint_0.dcp"] for s in seen] == [[*files, "ignite_zero.json"] for files in held]
+    for host, (status, printed) in enumerate(s["verify"] for s in seen):
+        assert status == 0, printed
+        assert f"OK on host-{host}: {len(held[host])} of 4 files here, sizes and CRC-32 match" in printed, printed
+        assert "replicated on 3 hosts, host-0, host-1, host-2, with replicas=1" in printed, printed
+    assert "only on other hosts: __1_0.distcp (host-1, host-2)" in seen[0]["verify"][1]
+    assert "only on other hosts: .metadata (host-0, host-1); __0_0.distcp (host-0, host-1)" in seen[2]["verify"][1]
+
+    # here, where no host of the checkpoint runs: what a directory holds is checked, whatever host keeps it
+    name = "checkpoint_0.dcp"
+    directory = tmp_path / "disk-2" / "fast" / name
+    assert cli.main(["verify", str(directory)]) == 0
+    with (directory / "__1_0.distcp").open("r+b") as f:  # a copy that rotted on its disk
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert cli.main(["verify", str(directory)]) == 1
+    # a file that the host keeps, lost: an error on that host
+    (tmp_path / "disk-0" / "fast" / name / "__2_0.distcp").unlink()
+    with pytest.raises(IntegrityError, match=r"__2_0.distcp is missing, and this host \(host-0\) is one of those"):
+        holding(LocalPlace(tmp_path / "disk-0" / "fast"), name, host="host-0")

@@ -6,7 +6,8 @@ every host and different contents on each (a local NVMe under ``/local``, say). 
 host, and :func:`exchange` sends them to ``k`` ranks on ``k`` other hosts (:class:`Layout`: partners chosen by host
 name), which write them on theirs; every host's directory is then sealed with the same manifest. Before a load,
 :func:`repair` completes each host's copy of a checkpoint from the hosts that hold its files, whatever the format
-reads of them, and :func:`survival` tells :func:`~ignite_zero.find_latest` which of its files verify on a host.
+reads of them, :func:`survival` tells :func:`~ignite_zero.find_latest` which of its files verify on a host, and
+:func:`holding` tells ``ignite-zero verify`` what one host's directory holds and which files live elsewhere.
 
 Files travel as raw bytes in chunks of :data:`CHUNK_BYTES`, checked on arrival against the size and CRC-32 that the
 writer recorded, and written through the :class:`~ignite_zero.storage.places.Place` of the receiving host.
@@ -23,7 +24,7 @@ import socket
 import threading
 import warnings
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import IO, Any
@@ -40,11 +41,13 @@ from ignite_zero.storage.places import Place, split
 
 __all__ = [
     "CHUNK_BYTES",
+    "Holding",
     "Layout",
     "Survival",
     "Transfer",
     "complete",
     "exchange",
+    "holding",
     "layout_of",
     "manifest_facts",
     "survival",
@@ -136,9 +139,16 @@ def layout_of(members: Sequence[int], hosts: Sequence[str], replicas: int, dirna
     return Layout(tuple(members), tuple(hosts), replicas)
 
 
-def manifest_facts(layout: Layout) -> dict[str, Any]:
-    """What a replicated checkpoint's manifest says of its copies; its presence marks the checkpoint replicated."""
-    return {"replicas": layout.replicas, "hosts": layout.host_names}
+def manifest_facts(layout: Layout, files: Mapping[int, Iterable[str]]) -> dict[str, Any]:
+    """What a replicated checkpoint's manifest says of its copies, given the ``files`` of each rank: how many, on
+    which hosts, and which hosts keep each file (so that one host's directory tells what lives elsewhere). Their
+    presence marks the checkpoint replicated."""
+    keepers = {
+        name: [layout.host_of(rank), *(layout.host_of(partner) for partner in layout.partners(rank))]
+        for rank, names in files.items()
+        for name in names
+    }
+    return {"replicas": layout.replicas, "hosts": layout.host_names, "keepers": dict(sorted(keepers.items()))}
 
 
 @dataclass(frozen=True)
@@ -382,6 +392,70 @@ def survival(place: Place, name: str, verify: bool = True) -> Survival | None:
         good.append(file)
     identity = zlib.crc32(json.dumps(files, sort_keys=True).encode())
     return Survival(identity, files, frozenset(good))
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one host's directory holds of a replicated checkpoint, every file of it checked against the manifest.
+
+    Attributes:
+        host: the host it was checked on.
+        hosts: the hosts of the checkpoint.
+        replicas: the copies of each file on other hosts than its writer's.
+        here: the files here, whose sizes and CRC-32 match the manifest.
+        elsewhere: the files that live on other hosts only, each with the hosts that keep it.
+    """
+
+    host: str
+    hosts: list[str]
+    replicas: int
+    here: list[str]
+    elsewhere: dict[str, list[str]]
+
+
+def holding(place: Place, name: str, host: str | None = None) -> Holding | None:
+    """Check what this host (``host``, by default this machine's name) holds of the replicated checkpoint ``name``
+    of ``place``: every file present against the manifest, and every file that the manifest says this host keeps
+    present. ``None`` when ``name`` is no sealed replicated checkpoint here.
+
+    Raises:
+        IntegrityError: a file here is truncated or corrupt, a file this host keeps is missing, or a ``.distcp``
+            file here is not in the manifest.
+    """
+    directory = place.child(name)
+    if not directory.is_whole(MANIFEST) or not directory.is_file(MANIFEST):
+        return None
+    manifest = read_manifest(directory)
+    if manifest is None or "replicas" not in manifest:
+        return None
+    host = socket.gethostname() if host is None else host
+    keepers: dict[str, list[str]] = manifest.get("keepers", {})
+    present = directory.file_sizes()
+    here, elsewhere = [], {}
+    for file, record in sorted(manifest["files"].items()):
+        kept_by = keepers.get(file, [])
+        if file not in present:
+            if host in kept_by:
+                raise IntegrityError(
+                    f"{directory}: file {file} is missing, and this host ({host}) is one of those that keep it "
+                    f"({', '.join(kept_by)}): load the checkpoint on every host once to fetch it again"
+                )
+            elsewhere[file] = kept_by
+            continue
+        if present[file] != record["size"]:
+            raise IntegrityError(
+                f"{directory}: file {file} has {present[file]} bytes, {record['size']} expected (truncated?)"
+            )
+        crc = file_crc(directory, file)
+        if crc != record["crc32"]:
+            raise IntegrityError(
+                f"{directory}: file {file} is corrupt (CRC-32 {crc:#010x}, {record['crc32']:#010x} expected)"
+            )
+        here.append(file)
+    unlisted = sorted(file for file in present if file.endswith(".distcp") and file not in manifest["files"])
+    if unlisted:
+        raise IntegrityError(f"{directory}: files {unlisted} are not in its manifest")
+    return Holding(host, list(manifest["hosts"]), int(manifest["replicas"]), here, elsewhere)
 
 
 def complete(where: str | os.PathLike, storage_options: Mapping[str, Any] | None, timeout: float) -> None:

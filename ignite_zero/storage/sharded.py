@@ -540,7 +540,7 @@ class ShardedSaver(DirectorySaver):
         listed = {name: record for rank_files in by_rank.values() for name, record in rank_files.items()}
         facts = {"world_size": len(by_rank), "torch": torch.__version__, "ignite_zero": package_version()}
         if layout is not None:
-            facts.update(replicas_.manifest_facts(layout))
+            facts.update(replicas_.manifest_facts(layout, by_rank))
         self.place.commit_directory(filename, lambda written: sharded.seal(written, listed, records, **facts))
 
 
