@@ -5,7 +5,8 @@ saves, loads and faults themselves run on simulated hosts: see test_hosts.py."""
 import pytest
 
 from ignite_zero import ShardedSaver
-from ignite_zero.storage.replicas import layout_of
+from ignite_zero.storage.formats import IntegrityError
+from ignite_zero.storage.replicas import check_arrived, layout_of
 
 
 def test_partners_follow_the_host_names_not_the_ranks():
@@ -37,3 +38,15 @@ def test_one_host_keeps_one_copy_with_a_warning():
 def test_replicas_is_a_count(tmp_path):
     with pytest.raises(ValueError, match=r"`replicas` should be a non-negative integer, got -1"):
         ShardedSaver(tmp_path, replicas=-1)
+
+
+def test_copies_that_arrived_otherwise_than_written_are_named():
+    # two hosts of one rank, each keeping the other's files: what each rank wrote, and what each received
+    layout = layout_of(range(2), ["a", "b"], 1, "ckpt")
+    written = {0: {".metadata": (10, 1), "__0_0.distcp": (100, 2)}, 1: {"__1_0.distcp": (100, 3)}}
+    arrived = {0: {"__1_0.distcp": (100, 3)}, 1: {".metadata": (10, 1), "__0_0.distcp": (100, 2)}}
+    check_arrived(layout, written, arrived, "ckpt/checkpoint_1.dcp")
+    arrived[1]["__0_0.distcp"] = (100, 7)  # another CRC-32
+    del arrived[0]["__1_0.distcp"]  # never arrived
+    with pytest.raises(IntegrityError, match=r"__0_0.distcp of rank 0 on rank 1, __1_0.distcp of rank 1 on rank 0"):
+        check_arrived(layout, written, arrived, "ckpt/checkpoint_1.dcp")
