@@ -66,20 +66,21 @@ class ShardedSaver(DirectorySaver):
     the checkpoints are replicated.
 
     Node-local disks (``replicas=k``): ``dirname`` is then a path that every host has, each on its own disk (a local
-    NVMe). Each rank writes its files on its own host, then sends them over the process group to ``k`` ranks on
-    ``k`` other hosts (the next ones in the order of their host names, the rank at the same position on each), which
-    write them on theirs, checked against their size and CRC-32 on arrival. Once every rank's files and their ``k``
-    copies are durable, the first rank of every host seals its host's directory with the same manifest, and older
-    checkpoints are removed on every host only after all of them did. A checkpoint then survives the loss of any
-    ``k`` hosts. Loading reads from the rank's own host: a host that lacks files of the checkpoint (a host replaced
-    by one with an empty disk, a job on other hosts or on fewer) first fetches them from the hosts that hold them,
-    over the process group, so the load works on any number of ranks, from what survives;
+    NVMe). Each rank writes its files on its own host and, as it writes them, sends them over the process group to
+    ``k`` ranks on ``k`` other hosts (the next ones in the order of their host names, the rank at the same position
+    on each), which write them on theirs, checked against their size and CRC-32 before the seal. Once every rank's
+    files and their ``k`` copies are durable, the first rank of every host seals its host's directory with the same
+    manifest, and older checkpoints are removed on every host only after all of them did. A checkpoint then
+    survives the loss of any ``k`` hosts. Loading reads from the rank's own host: a host that lacks files of the
+    checkpoint (a host replaced by one with an empty disk, a job on other hosts or on fewer) first fetches them from
+    the hosts that hold them, over the process group, so the load works on any number of ranks, from what survives;
     :func:`~ignite_zero.find_latest` takes the newest checkpoint whose every file verifies on at least one host. It
-    costs ``k`` more copies of every byte on the disks and over the network: on 2 hosts of one rank (300 MB of
-    ZeRO state, tmpfs, loopback, ``benchmarks/replicas.py``), a save with ``replicas=1`` took a median 2.8-3.4x an
-    unreplicated one (0.3-0.5 s), a replaced host's recovery 2.2-3.7x a load from a shared directory. ``replicas``
-    must be below the number of hosts, and every host must run as many ranks; on a single host a warning says that
-    each checkpoint is kept once. A directory that the hosts share is refused: use ``replicas=0`` there.
+    costs ``k`` more copies of every byte on the disks and over the network: on 2 hosts of one rank sharing 2 cores
+    (300 MB of ZeRO state, tmpfs, loopback, ``benchmarks/replicas.py``), a save with ``replicas=1`` took a median
+    2.8x an unreplicated one (0.32 s against 0.12 s), a replaced host's recovery 3.3x a load from a shared
+    directory. ``replicas`` must be below the number of hosts, and every host must run as many ranks; on a single
+    host a warning says that each checkpoint is kept once. A directory that the hosts share is refused: use
+    ``replicas=0`` there.
 
     Args:
         dirname: directory in which checkpoint directories are written: a path, or an fsspec URL
