@@ -15,6 +15,7 @@ writer recorded, and written through the :class:`~ignite_zero.storage.places.Pla
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -390,6 +391,10 @@ def check_arrived(
         )
 
 
+# What relays handed to the process group for a rank that stopped answering, kept alive for good: a message still in
+# flight reads from (or writes into) its tensor after the wait for it gave up.
+_abandoned: list[list[Any]] = []
+
 # The messages of a relay, each a header (its kind, and the bytes that follow) and those bytes: a file begins (its name
 # follows), a part of it, its end, its writing failed on the sender, no more files.
 _BEGIN, _PART, _END, _FAILED, _CLOSED = range(5)
@@ -498,14 +503,18 @@ class Relay:
 
     def _send_gathered(self) -> None:
         if self._gathered:
-            self._send(_PART, torch.frombuffer(self._gathered, dtype=torch.uint8))
+            self._send_parts(torch.frombuffer(self._gathered, dtype=torch.uint8))
             self._gathered = bytearray()
 
     def _send_run(self) -> None:
         if self._run is not None:
             base, start, end = self._run
             self._run = None
-            self._send(_PART, base[start:end])
+            self._send_parts(base[start:end])
+
+    def _send_parts(self, data: torch.Tensor) -> None:
+        for begin in range(0, data.numel(), CHUNK_BYTES):  # no part larger than the receiver's buffer
+            self._send(_PART, data[begin : begin + CHUNK_BYTES])
 
     def _send(self, kind: int, payload: torch.Tensor | None = None) -> None:
         """Send a message to every partner, once fewer than :data:`_IN_FLIGHT_BYTES` are still travelling."""
@@ -526,12 +535,16 @@ class Relay:
 
     def _complete_oldest(self) -> None:
         _, pending = self._in_flight.pop(0)
+        if self._sent_failure is not None:  # a partner gone or stuck: no more waiting for it
+            _abandoned.append(pending)
+            return
         try:
             for work in pending:
                 if isinstance(work, dist.Work):
                     work.wait(self._wait)
         except Exception as error:
             self._fail_to_send(error)
+            _abandoned.append(pending)
 
     def _fail_to_send(self, error: BaseException) -> None:
         """Stop sending: the file is written here all the same, and the failure reported at the end."""
@@ -563,14 +576,16 @@ class Relay:
                     continue  # the sender reports why
                 except _Unreachable:
                     raise
-                except Exception as error:
+                except Exception as error:  # this host's write: the rest of the file is taken in, the sender goes on
                     self._failures.append(error)
-                    for _ in self._parts(source, buffer):
-                        pass
+                    with contextlib.suppress(_SenderFailed):
+                        for _ in self._parts(source, buffer):
+                            pass
                     continue
                 self._received[name] = (sums[0], sums[1])
         except Exception as error:
             self._failures.append(error)
+            _abandoned.append([buffer])
 
     def _parts(self, source: int, buffer: torch.Tensor) -> Iterator[memoryview]:
         while True:
