@@ -622,6 +622,8 @@ def _tensor_memory(view: memoryview) -> tuple[torch.Tensor, int] | None:
     array = view.obj
     if not isinstance(array, numpy.ndarray) or array.ndim != 1 or array.dtype != numpy.uint8:
         return None
+    if not array.flags.c_contiguous:
+        return None
     base = torch.from_numpy(array)
     with warnings.catch_warnings():  # only read: sends never write into it
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
