@@ -475,15 +475,20 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         # a replicated checkpoint's files that this host lacks, fetched even where the load itself is local
         replicas.complete(found, options, self.sync_timeout)
         type(self).load_objects(to_load=to_load, checkpoint=found, **kwargs)
+        # what every rank lists: node-local directories differ (a replaced host's is nearly empty), and retention taken
+        # from one of them alone would never remove the older checkpoints that only the others hold
+        listings = settle(None, what="listing of the checkpoints", timeout=self.sync_timeout, payload=self.saver.list())
         name = Path(found).name
-        self._retain(self._retention_until(name, own=str(self.saver.location(name)) == found))
+        listed = sorted({listed for listing in listings for listed in listing})
+        self._retain(self._retention_until(name, listed, own=str(self.saver.location(name)) == found))
         return found
 
-    def _retention_until(self, last: str, own: bool = True) -> list[tuple[int | float, str]]:
+    def _retention_until(self, last: str, listed: Sequence[str], own: bool = True) -> list[tuple[int | float, str]]:
         """The ``(priority, filename)`` pairs this handler keeps once ``last`` is its newest checkpoint: its own
-        names in its directory, read back with its file name pattern, up to ``last``, at most ``n_saved``. Where
-        ``last`` is another handler's (``own`` False: another tier), it is no name of this one's to keep."""
-        pairs = [(priority, name) for name in self.saver.list() if (priority := self._priority_in(name)) is not None]
+        names among those ``listed`` in its directory, read back with its file name pattern, up to ``last``, at most
+        ``n_saved``. Where ``last`` is another handler's (``own`` False: another tier), it is no name of this one's to
+        keep."""
+        pairs = [(priority, name) for name in listed if (priority := self._priority_in(name)) is not None]
         ceiling = self._priority_in(last) if own else global_step_of(last)
         # of its own checkpoints at another tier's step, none verified (else it would be newest): none is retained
         kept = sorted(pair for pair in pairs if ceiling is None or pair[0] < ceiling or (own and pair[0] == ceiling))

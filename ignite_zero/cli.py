@@ -27,6 +27,7 @@ import torch
 
 from ignite_zero import __version__
 from ignite_zero.exporting import DTYPES, export
+from ignite_zero.storage import replicas
 from ignite_zero.storage.files import DiskSaver
 from ignite_zero.storage.formats import IntegrityError, Reader, reader_for
 from ignite_zero.storage.formats.base import human_size
@@ -108,8 +109,19 @@ def _inspect(reader: Reader, as_json: bool, out: TextIO) -> int:
     return 0
 
 
-def _verify(reader: Reader, out: TextIO) -> int:
+def _verify(reader: Reader, out: TextIO, holding: replicas.Holding | None = None) -> int:
     path = reader.path
+    if holding is not None and holding.elsewhere:  # one host's directory of a replicated checkpoint: what it holds
+        total = len(holding.here) + len(holding.elsewhere)
+        print(
+            f"{path}: OK on {holding.host}: {len(holding.here)} of {total} files here, sizes and CRC-32 match the "
+            f"manifest (replicated on {len(holding.hosts)} hosts, {', '.join(holding.hosts)}, with "
+            f"replicas={holding.replicas})",
+            file=out,
+        )
+        elsewhere = [f"{name} ({', '.join(hosts) or 'another host'})" for name, hosts in holding.elsewhere.items()]
+        print(f"{path}: only on other hosts: {'; '.join(elsewhere)}", file=out)
+        return 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a missing trailer or manifest is reported below, as the outcome
         verification = reader.verify()  # every record, wherever the checkpoint lies
@@ -202,7 +214,10 @@ def _parser() -> argparse.ArgumentParser:
         parents=[storage],
         help="check a checkpoint against its checksums; exit 1 if it is corrupt, truncated or incomplete",
         description=_wrap(
-            "Check a checkpoint file against its integrity trailer, or a sharded directory against its manifest."
+            "Check a checkpoint file against its integrity trailer, or a sharded directory against its manifest. On "
+            "one host's directory of a replicated checkpoint (ShardedSaver(..., replicas=k) on node-local disks), "
+            "it checks the files that this host holds, fails if one that it keeps is missing, and names the files "
+            "that live on other hosts only."
         ),
         epilog=_exit_status(
             "0    it matches",
@@ -340,7 +355,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "inspect":
             return _inspect(reader, args.json, sys.stdout)
         if args.command == "verify":
-            return _verify(reader, sys.stdout)
+            return _verify(
+                reader, sys.stdout, replicas.holding(*split(where, options or None)) if reader.sharded else None
+            )
         return _consolidate(reader, args.target, options, sys.stdout)
     except BrokenPipeError:
         raise  # an OSError, but not the checkpoint's: main ends quietly

@@ -6,7 +6,9 @@ Each rank leaves what it saw in ``WORKDIR/result-RANK.pkl``: ``(True, value)``, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import logging
 import os
 import pickle
@@ -25,7 +27,7 @@ from ignite.engine import Engine, Events
 from launcher import attempt
 from training import assert_state_equal, tiny_model, train_step, zero_adam
 
-from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, find_latest
+from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, cli, find_latest
 
 SYNC_TIMEOUT = 20.0
 
@@ -168,7 +170,7 @@ def _warnings_of(logger: str) -> list[str]:
 def replicated(workdir: Path, node_local: Path) -> dict[str, Any]:
     """One rank a host: a replicated fast tier every iteration and a durable one every second; bad settings; an
     asynchronous save; the second host replaced by an empty one and a resume from both tiers; a file lost on both
-    hosts; the save after."""
+    hosts; the save after, retaining what either host held."""
     rank = idist.get_rank()
     fast_dir, durable_dir = node_local / "fast", workdir / "durable"
     objects = _resumable(rank)
@@ -199,7 +201,9 @@ def replicated(workdir: Path, node_local: Path) -> dict[str, Any]:
         shutil.rmtree(fast_dir)
     dist.barrier()
     fresh = _resumable(rank, seed=1)
-    resumed = Checkpoint(fresh, ShardedSaver(fast_dir, replicas=1, require_empty=False), n_saved=2)
+    # its recipient on the replaced host, whose own listing holds nothing older than what the resume fetches
+    saver = ShardedSaver(fast_dir, replicas=1, require_empty=False)
+    resumed = Checkpoint(fresh, saver, n_saved=2, consolidate_recipient_rank=1)
     seen["resumed"] = resumed.load_latest(fresh, places=[fast_dir, durable_dir])
     _assert_state(fresh, states[3])
     seen["repaired"] = _files(fast_dir)
@@ -220,6 +224,20 @@ def replicated(workdir: Path, node_local: Path) -> dict[str, Any]:
     if rank == 0:
         torch.save(objects["model"].state_dict(), workdir / "model-4.pt")
     return seen
+
+
+def three_hosts(workdir: Path, node_local: Path) -> dict[str, Any]:
+    """Three hosts of one rank, each rank's files kept on one other host: what each host holds, and
+    ``ignite-zero verify`` of its directory there."""
+    rank = idist.get_rank()
+    objects = _objects(rank)
+    train_step(objects["model"], objects["optimizer"], rank, 1)
+    handler = Checkpoint(objects, ShardedSaver(node_local / "fast", replicas=1), sync_timeout=SYNC_TIMEOUT)
+    handler(Engine(lambda e, b: None))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = cli.main(["verify", str(handler.last_checkpoint)])
+    return {"files": _files(node_local / "fast"), "verify": (status, printed.getvalue())}
 
 
 def grown(workdir: Path, node_local: Path) -> dict[str, Any]:

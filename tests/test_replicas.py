@@ -1,11 +1,22 @@
 """Which ranks keep whose files in a replicated sharded save: partners chosen by host name, and the settings that
-cannot work, refused with the same error on every rank (a pure function of what the ranks told each other). The
-saves, loads and faults themselves run on simulated hosts: see test_hosts.py."""
+cannot work, refused with the same error on every rank (a pure function of what the ranks told each other); the
+relay that sends files as they are written, between two ranks of one machine. The saves, loads and faults themselves
+run on simulated hosts: see test_hosts.py."""
+
+import os
+from pathlib import Path
 
 import pytest
+import torch
+from launcher import run_ranks
 
 from ignite_zero import ShardedSaver
-from ignite_zero.storage.replicas import layout_of
+from ignite_zero.groups import cpu_group
+from ignite_zero.storage.formats import IntegrityError
+from ignite_zero.storage.formats.base import crc32
+from ignite_zero.storage.formats.torch_zip import tensor_bytes
+from ignite_zero.storage.places import LocalPlace
+from ignite_zero.storage.replicas import CHUNK_BYTES, Relay, check_arrived, layout_of
 
 
 def test_partners_follow_the_host_names_not_the_ranks():
@@ -37,3 +48,49 @@ def test_one_host_keeps_one_copy_with_a_warning():
 def test_replicas_is_a_count(tmp_path):
     with pytest.raises(ValueError, match=r"`replicas` should be a non-negative integer, got -1"):
         ShardedSaver(tmp_path, replicas=-1)
+
+
+def test_copies_that_arrived_otherwise_than_written_are_named():
+    # two hosts of one rank, each keeping the other's files: what each rank wrote, and what each received
+    layout = layout_of(range(2), ["a", "b"], 1, "ckpt")
+    written = {0: {".metadata": (10, 1), "__0_0.distcp": (100, 2)}, 1: {"__1_0.distcp": (100, 3)}}
+    arrived = {0: {"__1_0.distcp": (100, 3)}, 1: {".metadata": (10, 1), "__0_0.distcp": (100, 2)}}
+    check_arrived(layout, written, arrived, "ckpt/checkpoint_1.dcp")
+    arrived[1]["__0_0.distcp"] = (100, 7)  # another CRC-32
+    del arrived[0]["__1_0.distcp"]  # never arrived
+    with pytest.raises(IntegrityError, match=r"__0_0.distcp of rank 0 on rank 1, __1_0.distcp of rank 1 on rank 0"):
+        check_arrived(layout, written, arrived, "ckpt/checkpoint_1.dcp")
+
+
+def _relay_to_each_other(rank: int, world_size: int, root: Path) -> tuple[dict, list[str]]:
+    directory = LocalPlace(root / f"host-{rank}")
+    directory.make()
+    relay = Relay(directory, [1 - rank], [1 - rank], cpu_group(dedicated="relay"), timeout=30)
+    tensor = torch.arange(CHUNK_BYTES // 4 + 1000, dtype=torch.int32) * (rank + 1)  # more than one part
+
+    def dump(stream):
+        stream.write(b"a header")
+        memory = tensor_bytes(tensor)
+        stream.write(memory)  # at once
+        for begin in range(0, memory.nbytes, 256 << 10):  # in adjacent slices, as the writer hands them over
+            stream.write(memory[begin : begin + (256 << 10)])
+        stream.write(bytes(range(256)) * 1000)  # other bytes, many of them
+
+    relay.place.write(f"file-{rank}", dump, atomic=False)
+
+    def failing(stream):
+        stream.write(b"a start")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        relay.place.write(f"broken-{rank}", failing, atomic=False)
+    return relay.finish(), sorted(os.listdir(directory.location()))
+
+
+def test_a_relay_sends_files_as_they_are_written(tmp_path):
+    received, listed = zip(*run_ranks(_relay_to_each_other, 2, tmp_path))
+    for rank in range(2):
+        written = (tmp_path / f"host-{1 - rank}" / f"file-{1 - rank}").read_bytes()
+        assert (tmp_path / f"host-{rank}" / f"file-{1 - rank}").read_bytes() == written
+        assert received[rank] == {f"file-{1 - rank}": (len(written), crc32(written))}  # not the broken one
+        assert f"file-{rank}" in listed[rank]

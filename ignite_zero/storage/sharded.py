@@ -66,20 +66,21 @@ class ShardedSaver(DirectorySaver):
     the checkpoints are replicated.
 
     Node-local disks (``replicas=k``): ``dirname`` is then a path that every host has, each on its own disk (a local
-    NVMe). Each rank writes its files on its own host, then sends them over the process group to ``k`` ranks on
-    ``k`` other hosts (the next ones in the order of their host names, the rank at the same position on each), which
-    write them on theirs, checked against their size and CRC-32 on arrival. Once every rank's files and their ``k``
-    copies are durable, the first rank of every host seals its host's directory with the same manifest, and older
-    checkpoints are removed on every host only after all of them did. A checkpoint then survives the loss of any
-    ``k`` hosts. Loading reads from the rank's own host: a host that lacks files of the checkpoint (a host replaced
-    by one with an empty disk, a job on other hosts or on fewer) first fetches them from the hosts that hold them,
-    over the process group, so the load works on any number of ranks, from what survives;
+    NVMe). Each rank writes its files on its own host and, as it writes them, sends them over the process group to
+    ``k`` ranks on ``k`` other hosts (the next ones in the order of their host names, the rank at the same position
+    on each), which write them on theirs, checked against their size and CRC-32 before the seal. Once every rank's
+    files and their ``k`` copies are durable, the first rank of every host seals its host's directory with the same
+    manifest, and older checkpoints are removed on every host only after all of them did. A checkpoint then
+    survives the loss of any ``k`` hosts. Loading reads from the rank's own host: a host that lacks files of the
+    checkpoint (a host replaced by one with an empty disk, a job on other hosts or on fewer) first fetches them from
+    the hosts that hold them, over the process group, so the load works on any number of ranks, from what survives;
     :func:`~ignite_zero.find_latest` takes the newest checkpoint whose every file verifies on at least one host. It
-    costs ``k`` more copies of every byte on the disks and over the network: on 2 hosts of one rank (300 MB of
-    ZeRO state, tmpfs, loopback, ``benchmarks/replicas.py``), a save with ``replicas=1`` took a median 2.8-3.4x an
-    unreplicated one (0.3-0.5 s), a replaced host's recovery 2.2-3.7x a load from a shared directory. ``replicas``
-    must be below the number of hosts, and every host must run as many ranks; on a single host a warning says that
-    each checkpoint is kept once. A directory that the hosts share is refused: use ``replicas=0`` there.
+    costs ``k`` more copies of every byte on the disks and over the network: on 2 hosts of one rank sharing 2 cores
+    (300 MB of ZeRO state, tmpfs, loopback, ``benchmarks/replicas.py``), a save with ``replicas=1`` took a median
+    2.8x an unreplicated one (0.32 s against 0.12 s), a replaced host's recovery 3.3x a load from a shared
+    directory. ``replicas`` must be below the number of hosts, and every host must run as many ranks; on a single
+    host a warning says that each checkpoint is kept once. A directory that the hosts share is refused: use
+    ``replicas=0`` there.
 
     Args:
         dirname: directory in which checkpoint directories are written: a path, or an fsspec URL
@@ -249,6 +250,7 @@ class ShardedSaver(DirectorySaver):
             ranks: the ranks that write; one rank alone writes the whole directory without collectives.
         """
         writer = self._begin(state, filename, timeout, stream, ranks, cache=False)
+        relay = self._relay(writer, timeout, stream)
         failure = None
         started = time.perf_counter()
         try:
@@ -256,7 +258,7 @@ class ShardedSaver(DirectorySaver):
                 dcp.save(dict(state), storage_writer=writer, process_group=group, no_dist=_alone(ranks))
         except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException
             failure = error
-        self._commit(filename, writer, failure, timeout, stream, ranks, started, group)
+        self._commit(filename, writer, failure, timeout, stream, ranks, started, group, relay)
 
     def save_state_async(
         self, state: Mapping, filename: str, *, group: Any, timeout: float, stream: str, ranks: Sequence[int] | None
@@ -332,6 +334,24 @@ class ShardedSaver(DirectorySaver):
             writer.reset(target.location())
         writer.written.clear()
         return writer
+
+    def _relay(self, writer: Any, timeout: float, stream: str) -> replicas_.Relay | None:
+        """Collective, in a synchronous replicated save: make ``writer`` write through a relay that sends this rank's
+        files to its partners as they are written, and writes its sources' files here meanwhile.
+
+        ``None`` (the files are sent once written, by :meth:`_replicate`) without replicas, and where a relay does not
+        fit: in an asynchronous save, whose staging may fail on one rank after the others began to relay (their
+        partners would wait for files that never come), and with several writing threads (a relay carries one file at
+        a time)."""
+        layout = self._layout
+        if layout is None or not layout.replicas or self.thread_count > 1:
+            return None
+        rank = rank_and_world()[0]
+        sources = [source for source in layout.members if rank in layout.partners(source)]
+        group = cpu_group(dedicated=f"{stream}|replicas")  # beside DCP's collectives, which run meanwhile
+        relay = replicas_.Relay(writer.place, layout.partners(rank), sources, group, timeout)
+        writer.reset(relay.place)
+        return relay
 
     def _arrange(self, filename: str, timeout: float, stream: str, ranks: Sequence[int] | None) -> None:
         """Collective, at the first replicated save: learn the host of every rank, and so which ranks keep whose
@@ -456,24 +476,35 @@ class ShardedSaver(DirectorySaver):
         ranks: Sequence[int] | None,
         started: float,
         group: Any = None,
+        relay: replicas_.Relay | None = None,
     ) -> None:
         """Collective: every rank's files to the writing rank, which seals the directory and puts it in place. With
-        replicas, each rank's files first go to its partners on other hosts, then every host's first rank seals its
-        host's directory, and every rank learns that all of them did."""
+        replicas, each rank's files also go to its partners on other hosts (through ``relay`` as they were written,
+        else now), then every host's first rank seals its host's directory, and every rank learns that all of them
+        did."""
+        received: dict[str, tuple[int, int]] = {}
+        if relay is not None:
+            try:
+                received = relay.finish()
+            except Exception as error:
+                failure = failure if failure is not None else error
         reports = settle(
             failure,
             what=f"sharded save of {filename}",
             timeout=timeout,
-            payload=(dict(writer.written), dict(writer.records)),
+            payload=(dict(writer.written), dict(writer.records), received),
             stream=stream,
             ranks=ranks,
         )
-        files = [written for written, _ in reports]
-        records = {name: entries for _, rank_records in reports for name, entries in rank_records.items()}
+        files = [written for written, _, _ in reports]
+        records = {name: entries for _, rank_records, _ in reports for name, entries in rank_records.items()}
         by_rank = dict(zip(round_members(ranks), files))
         written = self.place.writing_directory(filename)
         layout = self._layout
-        if layout is not None:
+        if layout is not None and relay is not None:  # the same verdict on every rank, from the same reports
+            arrived = dict(zip(round_members(ranks), (received for _, _, received in reports)))
+            replicas_.check_arrived(layout, by_rank, arrived, self.place.location(filename))
+        elif layout is not None:
             self._replicate(filename, by_rank, written, group, timeout, stream, ranks)
         failure = None
         if self.is_writer:
@@ -506,8 +537,9 @@ class ShardedSaver(DirectorySaver):
         stream: str,
         ranks: Sequence[int] | None,
     ) -> None:
-        """Collective: every rank sends its files to its partners on other hosts, which write them into their host's
-        directory; every rank learns whether all arrived whole."""
+        """Collective, once the files are written (where no relay sent them as they were): every rank sends its files to
+        its partners on other hosts, which write them into their host's directory; every rank learns whether all
+        arrived whole."""
         layout = self._layout
         assert layout is not None
         transfers = [
@@ -540,7 +572,7 @@ class ShardedSaver(DirectorySaver):
         listed = {name: record for rank_files in by_rank.values() for name, record in rank_files.items()}
         facts = {"world_size": len(by_rank), "torch": torch.__version__, "ignite_zero": package_version()}
         if layout is not None:
-            facts.update(replicas_.manifest_facts(layout))
+            facts.update(replicas_.manifest_facts(layout, by_rank))
         self.place.commit_directory(filename, lambda written: sharded.seal(written, listed, records, **facts))
 
 
