@@ -659,7 +659,7 @@ class FileReader(Reader):
         straight into the tensor it is loaded into where the layouts allow, or into a new one, each block checked as it
         arrives (:class:`ReadChecks`). A rank reads its part of each sharded entry only (FSDP's parts of each tensor,
         its partition of a ZeRO optimizer's state), once: verifying the file first, then mapping and copying it,
-        read every byte twice."""
+        read every byte twice. Every tensor is deferred, ``into_objects`` or not: nothing is read here."""
         if is_legacy_format(self.stored):  # no records to read in parts: loaded whole (locally only)
             return entries_of(objects, self.structure(weights_only))
         self._existing()
