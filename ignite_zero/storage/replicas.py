@@ -679,12 +679,10 @@ def survival(place: Place, name: str, verify: bool = True) -> Survival | None:
     """What this host holds of the checkpoint ``name`` of ``place``, if it is a replicated one: every file present
     checked against the manifest (sizes only, when not ``verify``); ``None`` when ``name`` is no replicated
     checkpoint here (absent, uncommitted, or not replicated)."""
-    directory = place.child(name)
-    if not directory.is_whole(MANIFEST) or not directory.is_file(MANIFEST):
+    found = _replicated(place, name)
+    if found is None:
         return None
-    manifest = read_manifest(directory)
-    if manifest is None or "replicas" not in manifest:
-        return None
+    directory, manifest = found
     files = {file: (int(record["size"]), int(record["crc32"])) for file, record in manifest["files"].items()}
     present = directory.file_sizes()
     good = []
@@ -697,6 +695,17 @@ def survival(place: Place, name: str, verify: bool = True) -> Survival | None:
         good.append(file)
     identity = zlib.crc32(json.dumps(files, sort_keys=True).encode())
     return Survival(identity, files, frozenset(good))
+
+
+def _replicated(place: Place, name: str) -> tuple[Place, dict[str, Any]] | None:
+    """The directory of the checkpoint ``name`` of ``place`` and its manifest, if it is a sealed, replicated one."""
+    directory = place.child(name)
+    if not directory.is_whole(MANIFEST) or not directory.is_file(MANIFEST):
+        return None
+    manifest = read_manifest(directory)
+    if manifest is None or "replicas" not in manifest:
+        return None
+    return directory, manifest
 
 
 @dataclass(frozen=True)
@@ -727,12 +736,10 @@ def holding(place: Place, name: str, host: str | None = None) -> Holding | None:
         IntegrityError: a file here is truncated or corrupt, a file this host keeps is missing, or a ``.distcp``
             file here is not in the manifest.
     """
-    directory = place.child(name)
-    if not directory.is_whole(MANIFEST) or not directory.is_file(MANIFEST):
+    found = _replicated(place, name)
+    if found is None:
         return None
-    manifest = read_manifest(directory)
-    if manifest is None or "replicas" not in manifest:
-        return None
+    directory, manifest = found
     host = socket.gethostname() if host is None else host
     keepers: dict[str, list[str]] = manifest.get("keepers", {})
     present = directory.file_sizes()
