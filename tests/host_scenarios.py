@@ -28,6 +28,7 @@ from launcher import attempt
 from training import assert_state_equal, tiny_model, train_step, zero_adam
 
 from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, cli, find_latest
+from ignite_zero.storage.formats import dcp_files
 
 SYNC_TIMEOUT = 20.0
 
@@ -223,6 +224,22 @@ def replicated(workdir: Path, node_local: Path) -> dict[str, Any]:
     seen["next"] = _files(fast_dir)
     if rank == 0:
         torch.save(objects["model"].state_dict(), workdir / "model-4.pt")
+
+    # a rank slower than sync_timeout to write what it relays: that save fails on every rank, the next one saves
+    straggling = Checkpoint(objects, ShardedSaver(node_local / "straggler", replicas=1), sync_timeout=2.0)
+    write_file = dcp_files.PlaceStorageWriter._write_file
+
+    def late(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(3.0)
+        return write_file(*args, **kwargs)
+
+    if rank == 1:
+        dcp_files.PlaceStorageWriter._write_file = late  # type: ignore[method-assign]
+    seen["straggler"] = attempt(lambda: straggling(trainer))
+    dcp_files.PlaceStorageWriter._write_file = write_file  # type: ignore[method-assign]
+    trainer.state.iteration = 5
+    seen["after straggler"] = attempt(lambda: straggling(trainer))
+    seen["straggler files"] = _files(node_local / "straggler")
     return seen
 
 

@@ -129,6 +129,10 @@ def test_replicas_on_node_local_disks(tmp_path: Path, free_port: int) -> None:
     # replaced host listed only checkpoint_3 then
     assert [sorted(s["next"]) for s in seen] == [["checkpoint_3.dcp", "checkpoint_4.dcp"]] * 2
     assert sorted(os.listdir(durable)) == ["checkpoint_2.pt"]
+    # a rank slower than sync_timeout to relay its files fails that save on every rank; the next relays anew
+    assert all(s["straggler"][0] is not None for s in seen), [s["straggler"] for s in seen]
+    assert [s["after straggler"][0] for s in seen] == [None, None], [s["after straggler"] for s in seen]
+    assert [s["straggler files"] for s in seen] == [{"checkpoint_5.dcp": every_file}] * 2
 
     # more ranks: two a host, the second host's disk emptied; then that host lost at a save
     for entry in (tmp_path / "disk-1").iterdir():

@@ -94,3 +94,33 @@ def test_a_relay_sends_files_as_they_are_written(tmp_path):
         assert (tmp_path / f"host-{rank}" / f"file-{1 - rank}").read_bytes() == written
         assert received[rank] == {f"file-{1 - rank}": (len(written), crc32(written))}  # not the broken one
         assert f"file-{rank}" in listed[rank]
+
+
+class _FailsOnceWritten(LocalPlace):
+    """A host's directory whose write of ``first`` fails once its content is written (a flush or fsync that fails)."""
+
+    def write(self, name, dump, atomic=True):
+        super().write(name, dump, atomic)
+        if name == "first":
+            raise OSError(f"fsync of {name} failed")
+
+
+def _relay_into_a_failing_flush(rank: int, world_size: int, root: Path) -> tuple[str, list[str]]:
+    directory = (_FailsOnceWritten if rank == 1 else LocalPlace)(root / f"host-{rank}")
+    directory.make()
+    relay = Relay(directory, [1 - rank], [1 - rank], cpu_group(dedicated="relay"), timeout=30)
+    if rank == 0:
+        for name in ("first", "second"):
+            relay.place.write(name, lambda stream: stream.write(b"content"), atomic=False)
+    try:
+        relay.finish()
+        outcome = "finished"
+    except OSError as error:
+        outcome = str(error)
+    return outcome, sorted(os.listdir(directory.location()))
+
+
+def test_a_copy_whose_flush_fails_is_an_error_and_the_next_file_still_arrives(tmp_path):
+    (sent, _), (received, listed) = run_ranks(_relay_into_a_failing_flush, 2, tmp_path)
+    assert sent == "finished" and received == "fsync of first failed"
+    assert "second" in listed and (tmp_path / "host-1" / "second").read_bytes() == b"content"

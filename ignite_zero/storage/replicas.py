@@ -562,13 +562,14 @@ class Relay:
                 if kind == _CLOSED:
                     return
                 name = bytes(self._payload(source, buffer, size).numpy()).decode()
-                sums = [0, 0]  # size, CRC-32
+                sums = [0, 0, 0]  # size, CRC-32, whether the file's end arrived
 
                 def dump(stream: IO[bytes], sums: list[int] = sums) -> None:
                     for part in self._parts(source, buffer):
                         stream.write(part)
                         sums[1] = crc32(part, sums[1])
                         sums[0] += part.nbytes
+                    sums[2] = 1
 
                 try:
                     self._directory.write(name, dump, atomic=False)
@@ -578,9 +579,10 @@ class Relay:
                     raise
                 except Exception as error:  # this host's write: the rest of the file is taken in, the sender goes on
                     self._failures.append(error)
-                    with contextlib.suppress(_SenderFailed):
-                        for _ in self._parts(source, buffer):
-                            pass
+                    if not sums[2]:  # else it failed once the file had arrived (its flush, say): nothing to take in
+                        with contextlib.suppress(_SenderFailed):
+                            for _ in self._parts(source, buffer):
+                                pass
                     continue
                 self._received[name] = (sums[0], sums[1])
         except Exception as error:
@@ -594,6 +596,10 @@ class Relay:
                 return
             if kind == _FAILED:
                 raise _SenderFailed
+            if kind != _PART:
+                raise _Unreachable(
+                    f"Rank {source} sent a message of kind {kind} inside a file: the relay lost its order"
+                )
             yield self._payload(source, buffer, size).numpy().data
 
     def _header(self, source: int) -> tuple[int, int]:

@@ -132,6 +132,9 @@ class ShardedSaver(DirectorySaver):
         self.thread_count = thread_count
         self.replicas = replicas
         self._layout: replicas_.Layout | None = None  # the hosts of the ranks, learnt at the first replicated save
+        # Relays of a save that failed leave their group unusable (a gloo wait that timed out closes its connections
+        # for good): the next save relays over a new one. Every rank counts the same failures.
+        self._relay_groups = 0
         self._async_writer: Any = None  # kept, with its host copies, between saves
         self._seen_by_every_rank = False  # whether a save found the directory shared by every rank yet
         super().__init__(dirname, create_dir, require_empty, save_on_rank, storage_options)
@@ -348,7 +351,7 @@ class ShardedSaver(DirectorySaver):
             return None
         rank = rank_and_world()[0]
         sources = [source for source in layout.members if rank in layout.partners(source)]
-        group = cpu_group(dedicated=f"{stream}|replicas")  # beside DCP's collectives, which run meanwhile
+        group = cpu_group(dedicated=f"{stream}|replicas|{self._relay_groups}")  # beside DCP's collectives
         relay = replicas_.Relay(writer.place, layout.partners(rank), sources, group, timeout)
         writer.reset(relay.place)
         return relay
@@ -488,14 +491,19 @@ class ShardedSaver(DirectorySaver):
                 received = relay.finish()
             except Exception as error:
                 failure = failure if failure is not None else error
-        reports = settle(
-            failure,
-            what=f"sharded save of {filename}",
-            timeout=timeout,
-            payload=(dict(writer.written), dict(writer.records), received),
-            stream=stream,
-            ranks=ranks,
-        )
+        try:
+            reports = settle(
+                failure,
+                what=f"sharded save of {filename}",
+                timeout=timeout,
+                payload=(dict(writer.written), dict(writer.records), received),
+                stream=stream,
+                ranks=ranks,
+            )
+        except Exception:
+            if relay is not None:  # raised on every rank alike
+                self._relay_groups += 1
+            raise
         files = [written for written, _, _ in reports]
         records = {name: entries for _, rank_records, _ in reports for name, entries in rank_records.items()}
         by_rank = dict(zip(round_members(ranks), files))
