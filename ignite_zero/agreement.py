@@ -336,23 +336,19 @@ def _leave_together(store: dist.Store, counter: str, rank: int, ranks: list[int]
     round's outcome, which would raise a lost store instead of that outcome. A rank that has counted itself out
     needs the store no more, so only the first rank waits.
 
-    It waits :data:`_OUTCOME_READ` seconds at most, not ``timeout``: every rank of ``ranks`` has posted already and
+    It waits a tenth of ``timeout`` (at least 1 s), not ``timeout``: every rank of ``ranks`` has posted already and
     reads the outcome within one pause of the store, so one that has not counted itself out by then died after it
-    posted (a host lost in the middle of a round). Waiting ``timeout`` for it doubled the time in which the others
-    raise after a host is lost (10 s instead of 5 with ``sync_timeout=5``, in tests/test_hosts.py).
+    posted (a host lost in the middle of a round), or is stalled far longer than a pause. Waiting ``timeout`` for it
+    doubled the time in which the others raise after a host is lost (10 s instead of 5 with ``sync_timeout=5``, in
+    tests/test_hosts.py); a tenth leaves 12 s, with the default, to a rank that the machine keeps waiting.
     """
     if store.add(counter, 1) >= len(ranks) or rank != ranks[0]:
         return
-    deadline = time.monotonic() + min(timeout, _OUTCOME_READ)
+    deadline = time.monotonic() + min(timeout, max(1.0, timeout / 10))
     pause = 0.0005
     while store.add(counter, 0) < len(ranks) and time.monotonic() < deadline:
         time.sleep(pause)
         pause = min(pause * 2, _longest_pause(len(ranks)))
-
-
-#: Seconds the first rank of a round waits for the others to read its outcome: 20 times the longest pause between two
-#: looks at the store (0.05 s), enough for a rank that the machine keeps waiting a while.
-_OUTCOME_READ = 1.0
 
 
 def _longest_pause(world_size: int) -> float:
