@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["cpu_backend", "cpu_group"]
+__all__ = ["cpu_backend", "cpu_group", "discard_group"]
 
 # Dedicated gloo groups, keyed by the group they stand for and the name of their use; dropped when the default
 # group changes.
@@ -56,6 +56,14 @@ def cpu_group(
         options: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         _gloo_groups[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True, **options)
     return _gloo_groups[key]
+
+
+def discard_group(dedicated: str, group: ProcessGroup | None = None) -> None:
+    """Forget the dedicated group ``dedicated`` of ``group`` (see :func:`cpu_group`): the next call for it makes a
+    new one. For a group whose connections a failed operation closed (a gloo wait that timed out closes them for
+    good). Every rank of the group must discard it at the same point, as it must create it."""
+    default = dist.group.WORLD
+    _gloo_groups.pop((default if group is None else group, dedicated), None)
 
 
 def cpu_backend(group: ProcessGroup) -> str:

@@ -240,6 +240,10 @@ def replicated(workdir: Path, node_local: Path) -> dict[str, Any]:
     trainer.state.iteration = 5
     seen["after straggler"] = attempt(lambda: straggling(trainer))
     seen["straggler files"] = _files(node_local / "straggler")
+    # several writing threads: files sent once written, over a group of their own
+    threads = Checkpoint(objects, ShardedSaver(node_local / "threads", replicas=1, thread_count=2))
+    threads(trainer)
+    seen["threads"] = _files(node_local / "threads")
     return seen
 
 

@@ -133,6 +133,7 @@ def test_replicas_on_node_local_disks(tmp_path: Path, free_port: int) -> None:
     assert all(s["straggler"][0] is not None for s in seen), [s["straggler"] for s in seen]
     assert [s["after straggler"][0] for s in seen] == [None, None], [s["after straggler"] for s in seen]
     assert [s["straggler files"] for s in seen] == [{"checkpoint_5.dcp": every_file}] * 2
+    assert seen[0]["threads"] == seen[1]["threads"] and "__1_1.distcp" in seen[0]["threads"]["checkpoint_5.dcp"]
 
     # more ranks: two a host, the second host's disk emptied; then that host lost at a save
     for entry in (tmp_path / "disk-1").iterdir():

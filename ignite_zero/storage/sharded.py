@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ignite_zero import tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, round_members, settle
-from ignite_zero.groups import cpu_group
+from ignite_zero.groups import cpu_group, discard_group
 from ignite_zero.naming import check_filename
 from ignite_zero.storage import replicas as replicas_
 from ignite_zero.storage.base import SaveRequest
@@ -132,9 +132,6 @@ class ShardedSaver(DirectorySaver):
         self.thread_count = thread_count
         self.replicas = replicas
         self._layout: replicas_.Layout | None = None  # the hosts of the ranks, learnt at the first replicated save
-        # Relays of a save that failed leave their group unusable (a gloo wait that timed out closes its connections
-        # for good): the next save relays over a new one. Every rank counts the same failures.
-        self._relay_groups = 0
         self._async_writer: Any = None  # kept, with its host copies, between saves
         self._seen_by_every_rank = False  # whether a save found the directory shared by every rank yet
         super().__init__(dirname, create_dir, require_empty, save_on_rank, storage_options)
@@ -261,7 +258,11 @@ class ShardedSaver(DirectorySaver):
                 dcp.save(dict(state), storage_writer=writer, process_group=group, no_dist=_alone(ranks))
         except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException
             failure = error
-        self._commit(filename, writer, failure, timeout, stream, ranks, started, group, relay)
+        # files sent once written go over the relays' group: a wait there that times out closes its connections for
+        # good, which must not be the group of every rank (the default one, in a gloo job)
+        layout = self._layout
+        replicas_group = self._replicas_group(stream) if layout and layout.replicas and relay is None else group
+        self._commit(filename, writer, failure, timeout, stream, ranks, started, replicas_group, relay)
 
     def save_state_async(
         self, state: Mapping, filename: str, *, group: Any, timeout: float, stream: str, ranks: Sequence[int] | None
@@ -351,10 +352,14 @@ class ShardedSaver(DirectorySaver):
             return None
         rank = rank_and_world()[0]
         sources = [source for source in layout.members if rank in layout.partners(source)]
-        group = cpu_group(dedicated=f"{stream}|replicas|{self._relay_groups}")  # beside DCP's collectives
-        relay = replicas_.Relay(writer.place, layout.partners(rank), sources, group, timeout)
+        relay = replicas_.Relay(writer.place, layout.partners(rank), sources, self._replicas_group(stream), timeout)
         writer.reset(relay.place)
         return relay
+
+    def _replicas_group(self, stream: str) -> Any:
+        """The gloo group that replicas travel over in a synchronous save, beside DCP's collectives; a new one after
+        a save whose replication failed, since a gloo wait that timed out closes its connections for good."""
+        return cpu_group(dedicated=_replicas_use(stream))
 
     def _arrange(self, filename: str, timeout: float, stream: str, ranks: Sequence[int] | None) -> None:
         """Collective, at the first replicated save: learn the host of every rank, and so which ranks keep whose
@@ -502,7 +507,7 @@ class ShardedSaver(DirectorySaver):
             )
         except Exception:
             if relay is not None:  # raised on every rank alike
-                self._relay_groups += 1
+                discard_group(_replicas_use(stream))
             raise
         files = [written for written, _, _ in reports]
         records = {name: entries for _, rank_records, _ in reports for name, entries in rank_records.items()}
@@ -513,7 +518,11 @@ class ShardedSaver(DirectorySaver):
             arrived = dict(zip(round_members(ranks), (received for _, _, received in reports)))
             replicas_.check_arrived(layout, by_rank, arrived, self.place.location(filename))
         elif layout is not None:
-            self._replicate(filename, by_rank, written, group, timeout, stream, ranks)
+            try:
+                self._replicate(filename, by_rank, written, group, timeout, stream, ranks)
+            except Exception:  # raised on every rank alike
+                discard_group(_replicas_use(stream))
+                raise
         failure = None
         if self.is_writer:
             try:
@@ -616,6 +625,10 @@ def share(state: Any, rank: int, world_size: int, keeper: int) -> Any:
 def _alone(ranks: Sequence[int] | None) -> bool:
     """Whether one rank writes a whole sharded checkpoint by itself, with no collective."""
     return ranks is not None and len(ranks) == 1
+
+
+def _replicas_use(stream: str) -> str:
+    return f"{stream}|replicas"
 
 
 def _dcp_group(request: SaveRequest, dedicated: bool) -> Any:
