@@ -78,14 +78,18 @@ def test_node_local_disks_under_torchrun(tmp_path: Path, free_port: int) -> None
     assert NOT_SHARED in text and "ranks [2, 3] cannot see" in text, text
 
 
-def test_a_host_lost_at_a_save(tmp_path: Path, free_port: int) -> None:
-    hosts = start_hosts("host_lost", tmp_path, port=free_port)
+def _lose_the_second_host_at_a_save(hosts: list, tmp_path: Path) -> None:
+    """Kill the second host once its ranks (2 and 3) have entered a save; wait for the first host to end."""
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"at-save-{rank}").exists() for rank in (2, 3)):
         assert time.monotonic() < deadline and hosts[1].process.poll() is None, hosts[1].output()
-        time.sleep(0.1)
+        time.sleep(0.01)
     hosts[1].kill()
     wait_for(hosts[:1], timeout=60)
+
+
+def test_a_host_lost_at_a_save(tmp_path: Path, free_port: int) -> None:
+    _lose_the_second_host_at_a_save(start_hosts("host_lost", tmp_path, port=free_port), tmp_path)
     seen = _results(tmp_path, range(2))
 
     sync_timeout = 5
@@ -138,13 +142,7 @@ def test_replicas_on_node_local_disks(tmp_path: Path, free_port: int) -> None:
     # more ranks: two a host, the second host's disk emptied; then that host lost at a save
     for entry in (tmp_path / "disk-1").iterdir():
         shutil.rmtree(entry)
-    hosts = start_hosts("grown", tmp_path, port=free_port)
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / f"at-save-{rank}").exists() for rank in (2, 3)):
-        assert time.monotonic() < deadline and hosts[1].process.poll() is None, hosts[1].output()
-        time.sleep(0.01)
-    hosts[1].kill()
-    wait_for(hosts[:1], timeout=60)
+    _lose_the_second_host_at_a_save(start_hosts("grown", tmp_path, port=free_port), tmp_path)
     seen = _results(tmp_path, range(2))
     assert {s["resumed"] for s in seen} == {str(fast / "checkpoint_4.dcp")}
     four_ranks = [".metadata", *(f"__{rank}_0.distcp" for rank in range(4)), "ignite_zero.json"]

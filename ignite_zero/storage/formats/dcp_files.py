@@ -460,9 +460,8 @@ class SavedTensors:
         storage = self._metadata.state_dict_metadata.get(fqn)
         return (
             isinstance(storage, TensorStorageMetadata)
-            and target.device.type == "cpu"
-            and target.is_contiguous()
-            and (target.shape, target.dtype) == (storage.size, storage.properties.dtype)
+            and _laid_out(target, storage.properties.dtype)
+            and target.shape == storage.size
         )
 
     def plan(self, state: dict[str, Any]) -> Fill | None:
@@ -601,15 +600,19 @@ def _holds(saved: TensorStorageMetadata, offsets: Sequence[int], sizes: Sequence
     """Whether one chunk of ``saved`` is exactly the block ``offsets``, ``sizes``, which ``local`` holds in CPU memory
     laid out as saved."""
     block = (tuple(offsets), tuple(sizes))
-    laid_out = local.device.type == "cpu" and local.is_contiguous() and local.dtype == saved.properties.dtype
     chunks = {(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in saved.chunks}
-    return laid_out and tuple(local.shape) == block[1] and block in chunks
+    return _laid_out(local, saved.properties.dtype) and tuple(local.shape) == block[1] and block in chunks
+
+
+def _laid_out(target: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the bytes of a saved tensor of ``dtype`` can be read straight into ``target``: one run of CPU memory."""
+    return target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
 
 
 def _read_saved_into(f: IO[bytes], record: EntryRecord, target: torch.Tensor, dtype: torch.dtype, where: str) -> bool:
     """Read a saved tensor straight into ``target`` if it is laid out alike in CPU memory; else read nothing and
     return ``False``."""
-    if record.data_offset < 0 or target.dtype != dtype or target.device.type != "cpu" or not target.is_contiguous():
+    if record.data_offset < 0 or not _laid_out(target, dtype):
         return False
     _read_entry(f, record, torch_zip.tensor_bytes(target), where)
     return True
