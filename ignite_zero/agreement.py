@@ -267,7 +267,7 @@ def _wait_for_all(
 ) -> None:
     state_key = f"{key}/state"
     deadline = time.monotonic() + timeout
-    pause = 0.0005
+    pauses = _pauses(len(members))
     while True:
         if store.check([state_key]):
             state = store.get(state_key)
@@ -294,8 +294,7 @@ def _wait_for_all(
             if store.compare_set(state_key, "", abort) == _GO:  # type: ignore[arg-type]
                 return
             raise _timeout_error(rank, missing, gone, members, what, timeout)
-        time.sleep(pause)
-        pause = min(pause * 2, _longest_pause(len(members)))
+        time.sleep(next(pauses))
 
 
 def _a_lost_rank_is_missing(store: dist.Store, key: str, members: list[int], lost: dict[int, str]) -> bool:
@@ -345,15 +344,23 @@ def _leave_together(store: dist.Store, counter: str, rank: int, ranks: list[int]
     if store.add(counter, 1) >= len(ranks) or rank != ranks[0]:
         return
     deadline = time.monotonic() + min(timeout, max(1.0, timeout / 10))
-    pause = 0.0005
+    pauses = _pauses(len(ranks))
     while store.add(counter, 0) < len(ranks) and time.monotonic() < deadline:
-        time.sleep(pause)
-        pause = min(pause * 2, _longest_pause(len(ranks)))
+        time.sleep(next(pauses))
 
 
-def _longest_pause(world_size: int) -> float:
-    """Seconds between two looks at the store: short for few ranks, longer for many (each look costs the store)."""
-    return min(0.05, 0.001 * world_size)
+def _pauses(world_size: int) -> Iterator[float]:
+    """Seconds between two looks at the store while waiting for ranks: from 50 us, doubling up to a longest pause
+    that grows with the ranks (each look costs the store), so that every rank together looks about 4,000 times a
+    second at most.
+
+    Ranks that arrive together are apart by well under a millisecond: a first pause of 0.5 ms, then 1 and 2 ms, cost
+    each round of a load about 0.9 ms on its first rank, 5 ms of a 0.09 s sharded load of 0.3 GB (2 ranks, tmpfs).
+    """
+    pause, longest = 5e-5, min(0.05, 0.0005 * world_size)
+    while True:
+        yield pause
+        pause = min(pause * 2, longest)
 
 
 def _silence(store: dist.Store, rank: int) -> float:
