@@ -72,6 +72,30 @@ def test_loads_on_any_number_of_ranks(saved, world_size):
     assert_state_equal(again, full)
 
 
+def _rounds_of_a_load(rank, world_size, directory, kind):
+    from ignite_zero import agreement
+
+    rounds = []
+    agree = agreement.agree
+
+    def counted(payload, *, what, **kwargs):
+        rounds.append(what)
+        return agree(payload, what=what, **kwargs)
+
+    agreement.agree = counted
+    try:
+        Checkpoint.load_objects(mixed_objects(kind, rank, seed=7), directory / "checkpoint_4.dcp")
+    finally:
+        agreement.agree = agree
+    return rounds
+
+
+def test_a_checkpoint_no_host_replicated_costs_the_search_for_replicas_one_round(saved):
+    kind, directory = saved
+    for rounds in run_ranks(_rounds_of_a_load, 2, directory, kind):
+        assert sum(what.startswith("search for the parts of") for what in rounds) == 1, rounds
+
+
 def test_loads_into_plain_objects_without_process_group(saved):
     _, directory = saved
     model, side = small_net(), tiny_model(seed=3)

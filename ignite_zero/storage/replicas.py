@@ -788,14 +788,26 @@ def complete(where: str | os.PathLike, storage_options: Mapping[str, Any] | None
             hosts hold different checkpoints under its name.
     """
     parent, name, failure = None, "", None
+    replicated_here = False
     try:
         parent, name = split(where, storage_options)
+        if not parent.seen_alike_by_every_host:
+            replicated_here = _replicated(parent, name) is not None
     except Exception as error:
         failure = error
     if parent is not None and parent.seen_alike_by_every_host:
         return
     rank, _ = rank_and_world()
-    hosts = settle(failure, what=f"search for the parts of {where}", timeout=timeout, payload=socket.gethostname())
+    # one round when no host holds a replicated checkpoint under the name: a plain sharded load pays no second one
+    found = settle(
+        failure,
+        what=f"search for the parts of {where}",
+        timeout=timeout,
+        payload=(socket.gethostname(), replicated_here),
+    )
+    if not any(replicated for _, replicated in found):
+        return
+    hosts = [host for host, _ in found]
     assert parent is not None
     held, manifest, failure = None, None, None
     if hosts.index(hosts[rank]) == rank:  # the first rank of each host reads for its host
