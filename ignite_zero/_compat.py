@@ -6,6 +6,7 @@ supported floor, or following an upstream change, means editing this file alone.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -199,11 +200,21 @@ def dtensor_block(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     uneven, empty and strided shards follow torch wherever it changes its rules. A rank outside the tensor's mesh
     holds an empty block.
     """
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    return _dtensor_block(tensor.shape, tensor.device_mesh, tuple(tensor.placements), rank)
+
+
+# A model has few distinct shapes and layouts: torch's computation took 30 us a tensor, 3 ms of each load of 96 FSDP2
+# shards, for two layouts. The rank is part of the key: meshes of two process groups in turn may compare equal.
+@functools.lru_cache(maxsize=1024)
+def _dtensor_block(
+    shape: torch.Size, mesh: Any, placements: tuple[Any, ...], rank: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    if len(offsets) != tensor.ndim:  # this rank is not part of the mesh
-        return (0,) * tensor.ndim, (0,) * tensor.ndim
+    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    if len(offsets) != len(shape):  # this rank is not part of the mesh
+        return (0,) * len(shape), (0,) * len(shape)
     return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
 
 
