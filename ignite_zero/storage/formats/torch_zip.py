@@ -55,6 +55,9 @@ _PROTOCOL = 2
 # of 320 MB of tensors written to tmpfs added 1-11 ms to 105-150 ms of writing in 256 KiB slices, 22-40 ms over
 # whole writes of 8 MB on the 2-core CI machine, where reading memory bounds it (~10 GB/s).
 _SLICE = 256 << 10
+# Records up to this size (the pickle, the small records) are gathered with the headers; larger ones are written
+# straight from their memory.
+_SMALL = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -136,12 +139,20 @@ class _Writer:
         self._names: list[str] = []
         self._combined_crc = 0
         self.archive = Archive()
-        self._alignment = _compat.storage_alignment()
+        self.alignment = _compat.storage_alignment()
+        # headers and small records, written together before the next large record and at the end: one write and
+        # one CRC-32 for the 10 pieces before a tensor's bytes, not 10 (160 us an archive of 1 MB, 60 us less)
+        self._pending = bytearray()
 
-    def _put(self, data: bytes) -> None:
-        self._write(data)
-        self.archive.crc = zlib_ng.crc32(data, self.archive.crc)
+    def _put(self, data: bytes | memoryview) -> None:
+        self._pending += data
         self.archive.size += len(data)
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._write(self._pending)
+            self.archive.crc = zlib_ng.crc32(self._pending, self.archive.crc)
+            self._pending = bytearray()  # a new one: what was written may still be held by the stream
 
     def record(
         self, name: str, data: bytes | memoryview, source: Callable[[memoryview], Iterable[memoryview]] | None = None
@@ -150,20 +161,25 @@ class _Writer:
         start = self.archive.size
         # torch pads the extra field ("FB", its length, then "Z"s) so that the data starts on the alignment
         unpadded = start + _LOCAL.size + len(full_name) + 4
-        padding = -unpadded % self._alignment
+        padding = -unpadded % self.alignment
         extra = b"FB" + struct.pack("<H", padding) + b"Z" * padding
         view = memoryview(data).cast("B")
         flags = _UTF8 | _DESCRIBED if view.nbytes else _UTF8
         header = _LOCAL.pack(b"PK\x03\x04", 0, flags, 0, 0, 0, 0, 0, 0, len(full_name), len(extra))
         self._put(header + full_name + extra)
-        crc = 0
-        for begin in range(0, view.nbytes, _SLICE):
-            piece = view[begin : begin + _SLICE]
-            for part in (piece,) if source is None else source(piece):
-                self._write(part)
-                crc = zlib_ng.crc32(part, crc)
-        self.archive.crc = zlib_ng.crc32_combine(self.archive.crc, crc, view.nbytes)
-        self.archive.size += view.nbytes
+        if view.nbytes <= _SMALL and source is None:
+            crc = zlib_ng.crc32(view)
+            self._put(view)
+        else:
+            self._flush()
+            crc = 0
+            for begin in range(0, view.nbytes, _SLICE):
+                piece = view[begin : begin + _SLICE]
+                for part in (piece,) if source is None else source(piece):
+                    self._write(part)
+                    crc = zlib_ng.crc32(part, crc)
+            self.archive.crc = zlib_ng.crc32_combine(self.archive.crc, crc, view.nbytes)
+            self.archive.size += view.nbytes
         self.archive.records.append(Record(name, self.archive.size - view.nbytes, view.nbytes, crc))
         if view.nbytes:
             self._put(_DESCRIPTOR.pack(b"PK\x07\x08", crc, view.nbytes, view.nbytes))
@@ -180,7 +196,9 @@ class _Writer:
         entries = len(self._central)
         zip64_end = self.archive.size + len(directory)
         # the directory in a write of its own: a file's integrity trailer sums it by itself as it passes
+        self._flush()
         self._put(directory)
+        self._flush()
         self._put(
             _ZIP64_END.pack(
                 b"PK\x06\x06",
@@ -197,6 +215,7 @@ class _Writer:
             + _ZIP64_LOCATOR.pack(b"PK\x06\x07", 0, zip64_end, 1)
             + _END.pack(b"PK\x05\x06", 0, 0, entries, entries, len(directory), directory_start, 0)
         )
+        self._flush()
         return self.archive
 
 
@@ -232,7 +251,7 @@ def write_archive(
     writer = _Writer(stream.write if hasattr(stream, "write") else stream)
     writer.record("data.pkl", pickled.getbuffer())
     writer.record(".format_version", b"1")
-    writer.record(".storage_alignment", str(_compat.storage_alignment()).encode())
+    writer.record(".storage_alignment", str(writer.alignment).encode())
     writer.record("byteorder", sys.byteorder.encode())
     for key, storage in storages:
         writer.record(f"data/{key}", tensor_bytes(storage.cpu()), source)
