@@ -616,7 +616,7 @@ def storage_archive_version() -> bytes:
 # --------------------------------------------------------------------------------------------------
 # DCP's file layout, written by ignite_zero.storage.formats.dcp_files.
 
-__all__ += ["DCP_VERSION", "dcp_storage_info"]
+__all__ += ["DCP_VERSION", "dcp_storage_info", "plan_keeping_save_planner"]
 
 #: The version ``FileSystemWriter`` records in ``.metadata`` (torch 2.11 to 2.14).
 DCP_VERSION = "1.0.0"
@@ -628,3 +628,18 @@ def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length)
+
+
+def plan_keeping_save_planner(key: str) -> Any:
+    """DCP's default save planner, keeping its plans between saves under ``key`` (``enable_plan_caching``): a save
+    whose plans did not change sends empty ones, and the coordinator reuses its global plan and metadata.
+
+    DCP keys its cache by the planner's class name, in a dict of the class: two savers of different states in one
+    process would each evict the other's plans, and a rank whose plan compares equal to the other saver's would reuse
+    them. The private key makes it one cache per saver.
+    """
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    planner._cached_plans_key = key
+    return planner

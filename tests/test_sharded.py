@@ -72,6 +72,43 @@ def test_loads_on_any_number_of_ranks(saved, world_size):
     assert_state_equal(again, full)
 
 
+class _Holder:
+    """An object whose one tensor changes dtype between saves, its name and shape alike."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def state_dict(self):
+        return {"x": self.x}
+
+    def load_state_dict(self, state):
+        self.x = state["x"]
+
+
+def _save_as_a_dtype_changes(rank, world_size, dirname):
+    model = tiny_model()
+    optimizer = zero_adam(model)
+    train_step(model, optimizer, rank, 0)
+    holder = _Holder(torch.arange(6, dtype=torch.float32))
+    checkpoint = Checkpoint({"model": model, "optimizer": optimizer, "holder": holder}, ShardedSaver(dirname))
+    engine = Engine(lambda e, b: None)
+    for step, dtype in enumerate([torch.float32, torch.float64, torch.float32], start=1):
+        holder.x = torch.arange(6, dtype=dtype) * step
+        engine.state.iteration = step
+        checkpoint(engine)
+        loaded = _Holder(None)
+        Checkpoint.load_objects(
+            {"model": tiny_model(1), "optimizer": zero_adam(tiny_model(1)), "holder": loaded},
+            checkpoint.last_checkpoint,
+        )
+        assert loaded.x.dtype == dtype and torch.equal(loaded.x, holder.x), (step, loaded.x)
+    return True
+
+
+def test_a_saver_plans_afresh_when_a_tensor_changes_dtype_under_the_same_name_and_shape(tmp_path):
+    assert run_ranks(_save_as_a_dtype_changes, 2, tmp_path) == [True, True]
+
+
 def _rounds_of_a_load(rank, world_size, directory, kind):
     from ignite_zero import agreement
 
