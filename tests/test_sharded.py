@@ -1,6 +1,7 @@
 """Sharded checkpoints on real gloo ranks: every rank writes its own part through torch.distributed.checkpoint, the
 directory is sealed with checksums, and it loads on any number of ranks, or in one process, for every kind of state."""
 
+import errno
 import json
 import os
 import pickle
@@ -109,6 +110,43 @@ def _save_as_a_tensor_changes(rank, world_size, dirname):
 
 def test_a_saver_plans_afresh_when_a_tensor_changes_dtype_or_shape_under_the_same_name(tmp_path):
     assert run_ranks(_save_as_a_tensor_changes, 2, tmp_path) == [True, True]
+
+
+def _save_after_a_failed_save(rank, world_size, dirname):
+    model = tiny_model()
+    optimizer = zero_adam(model)
+    train_step(model, optimizer, rank, 0)
+    holder = _Holder(torch.arange(6, dtype=torch.float32))
+    checkpoint = Checkpoint({"model": model, "optimizer": optimizer, "holder": holder}, ShardedSaver(dirname))
+    engine = Engine(lambda e, b: None)
+    engine.state.iteration = 1
+    checkpoint(engine)
+    holder.x = torch.arange(9, dtype=torch.float32)  # a new shape, in a save that fails on one rank as it writes
+    write_data = sharded.DirectoryWriter.write_data
+
+    def failing(self, plan, planner):
+        raise OSError(errno.EIO, "Input/output error")
+
+    if rank == 0:
+        sharded.DirectoryWriter.write_data = failing
+    engine.state.iteration = 2
+    try:
+        with pytest.raises(RankFailureError, match="Input/output error"):
+            checkpoint(engine)
+    finally:
+        sharded.DirectoryWriter.write_data = write_data
+    engine.state.iteration = 3
+    checkpoint(engine)
+    loaded = _Holder(None)
+    Checkpoint.load_objects(
+        {"model": tiny_model(1), "optimizer": zero_adam(tiny_model(1)), "holder": loaded}, checkpoint.last_checkpoint
+    )
+    assert torch.equal(loaded.x, holder.x), loaded.x
+    return str(checkpoint.last_checkpoint)
+
+
+def test_a_save_after_a_failed_one_plans_afresh_and_loads(tmp_path):
+    assert run_ranks(_save_after_a_failed_save, 2, tmp_path) == [str(tmp_path / "checkpoint_3.dcp")] * 2
 
 
 def _rounds_of_a_load(rank, world_size, directory, kind):

@@ -10,6 +10,7 @@ import secrets
 import socket
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -135,8 +136,13 @@ class ShardedSaver(DirectorySaver):
         self._layout: replicas_.Layout | None = None  # the hosts of the ranks, learnt at the first replicated save
         self._async_writer: Any = None  # kept, with its host copies, between saves
         self._seen_by_every_rank = False  # whether a save found the directory shared by every rank yet
-        self._layouts: dict[tuple[Any, ...], int] = {}  # this rank's layouts of the states saved (see _layout_number)
-        self._plans = uuid.uuid4().hex  # where DCP keeps this saver's plans (an id() may name a later saver)
+        # what DCP keeps of this saver's plans, by stream: under keys of this saver's own (an id() may name a later
+        # saver), that follow _plans_kept, forgotten with the saver
+        self._plans = uuid.uuid4().hex
+        self._plan_keys: dict[str, str] = {}
+        self._layouts: dict[tuple[Any, ...], int] = {}
+        self._failed_saves = 0
+        weakref.finalize(self, _forget_save_plans, self._plan_keys)
         super().__init__(dirname, create_dir, require_empty, save_on_rank, storage_options)
 
     @property
@@ -267,6 +273,7 @@ class ShardedSaver(DirectorySaver):
                 )
         except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException
             failure = error
+            self._failed_saves += 1  # what DCP kept of this save's plans may differ between ranks
         # files sent once written go over the relays' group: a wait there that times out closes its connections for
         # good, which must not be the group of every rank (the default one, in a gloo job)
         layout = self._layout
@@ -285,17 +292,21 @@ class ShardedSaver(DirectorySaver):
         writer, planner = self._begin(state, filename, timeout, stream, ranks, cache=True)
         started = time.perf_counter()
         # a Future: with DCP's default stager, staging is done once async_save returns
-        with sharded.in_one_process() if _alone(ranks) else contextlib.nullcontext():
-            future = cast(
-                Future,
-                dcp.async_save(
-                    dict(state),
-                    storage_writer=writer,
-                    planner=planner,
-                    process_group=group,
-                    no_dist=_alone(ranks),
-                ),
-            )
+        try:
+            with sharded.in_one_process() if _alone(ranks) else contextlib.nullcontext():
+                future = cast(
+                    Future,
+                    dcp.async_save(
+                        dict(state),
+                        storage_writer=writer,
+                        planner=planner,
+                        process_group=group,
+                        no_dist=_alone(ranks),
+                    ),
+                )
+        except BaseException:
+            self._failed_saves += 1
+            raise
 
         def finish() -> None:
             failure = None
@@ -303,27 +314,37 @@ class ShardedSaver(DirectorySaver):
                 future.result()
             except (Exception, CheckpointException) as error:
                 failure = error
+                self._failed_saves += 1
             self._commit(filename, writer, failure, timeout, stream, ranks, started, group)
 
         return finish
 
-    def _layout_number(self, state: Mapping) -> int:
-        """The number of this rank's layout of ``state`` among those it saved with this saver, from 0, the same for a
-        state laid out alike: the names, nesting and dtypes of its entries.
+    def _plans_kept(self, state: Mapping) -> tuple[int, int]:
+        """What this rank's kept plans depend on: the number of its layout of ``state`` among those it saved with this
+        saver (from 0, the same for a state laid out alike: the names, nesting and dtypes of its entries), and the
+        number of its saves that failed in DCP.
 
         DCP finds a plan unchanged by the names, shapes and chunks of its tensors, not by their dtypes nor by where in
         the nested state each entry lies (``{"a.b": x}`` and ``{"a": {"b": x}}`` are both ``a.b``), which its metadata
-        records too: plans are kept apart for each layout."""
+        records too (this project reads the dtypes); and a save that failed may have left ranks keeping plans unlike
+        the coordinator's."""
         flat, paths = _compat.dcp_flatten(dict(state))
-        layout = tuple((name, paths[name], getattr(value, "dtype", None)) for name, value in flat.items())
-        return self._layouts.setdefault(layout, len(self._layouts))
+        layout = tuple(
+            (name, paths[name], value.dtype if isinstance(value, torch.Tensor) else None)
+            for name, value in flat.items()
+        )
+        return self._layouts.setdefault(layout, len(self._layouts)), self._failed_saves
 
-    def _planner(self, stream: str, layouts: tuple[int, ...]) -> Any:
-        """DCP's planner, keeping this saver's plans between saves where every rank's state is laid out as before
-        (``layouts``, each rank's :meth:`_layout_number`): unchanged plans are not sent again (7 of the 13 ms DCP's
-        planning took before each FSDP2 save of 0.6 GB on 2 ranks). Every rank plans afresh where any rank's layout
-        changed: DCP's coordinator cannot merge a plan it kept with new ones of a new layout."""
-        return _compat.plan_keeping_save_planner(f"ignite_zero/{self._plans}/{stream}/{layouts}")
+    def _planner(self, stream: str, kept: tuple[tuple[int, int], ...]) -> Any:
+        """DCP's planner, keeping this saver's plans of ``stream`` between saves where no rank's :meth:`_plans_kept`
+        changed (``kept``, every rank's): unchanged plans are not sent again (7 of the 13 ms DCP's planning took before
+        each FSDP2 save of 0.6 GB on 2 ranks). Every rank plans afresh, and forgets the plans it kept, where any
+        rank's changed: DCP's coordinator cannot take kept plans of some ranks beside new ones of others."""
+        key = f"ignite_zero/{self._plans}/{stream}/{kept}"
+        if self._plan_keys.get(stream, key) != key:
+            _compat.forget_save_plans(self._plan_keys[stream])
+        self._plan_keys[stream] = key
+        return _compat.plan_keeping_save_planner(key)
 
     def _begin(
         self, state: Mapping, filename: str, timeout: float, stream: str, ranks: Sequence[int] | None, cache: bool
@@ -338,9 +359,9 @@ class ShardedSaver(DirectorySaver):
         # where the first save leaves its probe: where the ranks write, or beside it for replicas, where every host's
         # first rank clears what interrupted saves left in a directory that may turn out to be one for all
         probed = self.place if self._layout is not None else target
-        failure, free, probe, layout = None, None, None, -1
+        failure, free, probe, kept = None, None, None, (-1, -1)
         try:
-            layout = self._layout_number(state)
+            kept = self._plans_kept(state)
         except Exception as error:  # a state DCP cannot flatten: the others wait for this rank's report
             failure = error
         if self.is_writer and failure is None:
@@ -361,7 +382,7 @@ class ShardedSaver(DirectorySaver):
             what=f"preparation of {filename}",
             timeout=timeout,
             stream=stream,
-            payload=(serialized_size(state), free, probe, layout),
+            payload=(serialized_size(state), free, probe, kept),
             ranks=ranks,
         )
         probe = next((token for _, _, token, _ in reports if token is not None), None)
@@ -376,7 +397,7 @@ class ShardedSaver(DirectorySaver):
             writer = self._async_writer
             writer.reset(target.location())
         writer.written.clear()
-        return writer, self._planner(stream, tuple(layout for _, _, _, layout in reports))
+        return writer, self._planner(stream, tuple(kept for _, _, _, kept in reports))
 
     def _relay(self, writer: Any, timeout: float, stream: str) -> replicas_.Relay | None:
         """Collective, in a synchronous replicated save: make ``writer`` write through a relay that sends this rank's
@@ -422,7 +443,7 @@ class ShardedSaver(DirectorySaver):
         return rank_and_world()[0] == round_members(ranks)[0] and len(self._layout.host_names) > 1
 
     def _check_room(
-        self, filename: str, reports: Sequence[tuple[int, int | None, Any, int]], ranks: Sequence[int] | None
+        self, filename: str, reports: Sequence[tuple[int, int | None, Any, Any]], ranks: Sequence[int] | None
     ) -> None:
         """Every rank learns whether the parts of all ranks fit on the disk of the writing rank; with replicas, on
         each host's disk, the parts it keeps."""
@@ -676,3 +697,8 @@ def _dcp_group(request: SaveRequest, dedicated: bool) -> Any:
     if not request.collective:
         return None
     return cpu_group(dedicated=request.stream if dedicated else None)
+
+
+def _forget_save_plans(keys: Mapping[str, str]) -> None:
+    for key in keys.values():
+        _compat.forget_save_plans(key)
