@@ -371,7 +371,9 @@ class ShardedSaver(DirectorySaver):
                 self.place.begin_directory(filename)
                 if not self._seen_by_every_rank and len(round_members(ranks)) > 1 and self._probes(ranks):
                     token = secrets.token_hex(16)
-                    probed.write(_PROBE, lambda f: f.write(token.encode()))
+                    # not through a temporary name: in a directory the hosts share (what the probe finds out), another
+                    # host's first rank clears temporary files there as this one writes, and took the probe's
+                    probed.write(_PROBE, lambda f: f.write(token.encode()), atomic=False)
                     probe = token
                 free = self.place.free_space()
             except Exception as error:
