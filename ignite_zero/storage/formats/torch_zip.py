@@ -147,6 +147,8 @@ class _Writer:
     def _put(self, data: bytes | memoryview) -> None:
         self._pending += data
         self.archive.size += len(data)
+        if len(self._pending) >= _SLICE:  # many small records: written as they come, a slice at a time
+            self._flush()
 
     def _flush(self) -> None:
         if self._pending:
