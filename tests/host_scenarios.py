@@ -263,7 +263,7 @@ def three_hosts(workdir: Path, node_local: Path) -> dict[str, Any]:
 
 def grown(workdir: Path, node_local: Path) -> dict[str, Any]:
     """Two ranks a host, after :func:`replicated` saved with one, its second host's disk emptied: a resume, a save,
-    and the second host lost as its ranks enter the next save."""
+    and the second host lost as the first host's ranks enter the next save."""
     rank = idist.get_rank()
     fast_dir = node_local / "fast"
     objects = _resumable(rank, seed=3)
@@ -282,8 +282,9 @@ def grown(workdir: Path, node_local: Path) -> dict[str, Any]:
     train_step(objects["model"], objects["optimizer"], rank, 6)
     trainer.state.iteration = 6
     if rank >= idist.get_nproc_per_node():
-        (workdir / f"at-save-{rank}").touch()  # the test kills this host now
-        handler(trainer)
+        # the test kills this host now, before its ranks come to the save: a host lost inside DCP's own collectives
+        # leaves the others waiting there until the process group's timeout (see docs/faults.rst)
+        (workdir / f"at-save-{rank}").touch()
         time.sleep(600)
     seen["lost"] = attempt(lambda: handler(trainer))
     seen["files"] = _files(fast_dir)
