@@ -86,24 +86,34 @@ class _Holder:
         self.x = state["x"]
 
 
-def _save_as_a_tensor_changes(rank, world_size, dirname):
+def _zero_and_a_holder(rank, dirname):
+    """A ZeRO optimizer, its model and a holder of one tensor, under a sharded checkpoint; and an engine."""
     model = tiny_model()
     optimizer = zero_adam(model)
     train_step(model, optimizer, rank, 0)
     holder = _Holder(torch.arange(6, dtype=torch.float32))
     checkpoint = Checkpoint({"model": model, "optimizer": optimizer, "holder": holder}, ShardedSaver(dirname))
-    engine = Engine(lambda e, b: None)
+    return checkpoint, holder, Engine(lambda e, b: None)
+
+
+def _loaded_holder(checkpoint):
+    """The holder of the checkpoint's latest save, loaded with fresh objects."""
+    loaded = _Holder(None)
+    Checkpoint.load_objects(
+        {"model": tiny_model(1), "optimizer": zero_adam(tiny_model(1)), "holder": loaded}, checkpoint.last_checkpoint
+    )
+    return loaded
+
+
+def _save_as_a_tensor_changes(rank, world_size, dirname):
+    checkpoint, holder, engine = _zero_and_a_holder(rank, dirname)
     # a new dtype, the first one again (plans kept from the first save), then a new shape alone (which DCP tells)
     changes = [(torch.float32, 6), (torch.float64, 6), (torch.float32, 6), (torch.float32, 9)]
     for step, (dtype, length) in enumerate(changes, start=1):
         holder.x = torch.arange(length, dtype=dtype) * step
         engine.state.iteration = step
         checkpoint(engine)
-        loaded = _Holder(None)
-        Checkpoint.load_objects(
-            {"model": tiny_model(1), "optimizer": zero_adam(tiny_model(1)), "holder": loaded},
-            checkpoint.last_checkpoint,
-        )
+        loaded = _loaded_holder(checkpoint)
         assert loaded.x.dtype == dtype and torch.equal(loaded.x, holder.x), (step, loaded.x)
     return True
 
@@ -113,12 +123,7 @@ def test_a_saver_plans_afresh_when_a_tensor_changes_dtype_or_shape_under_the_sam
 
 
 def _save_after_a_failed_save(rank, world_size, dirname):
-    model = tiny_model()
-    optimizer = zero_adam(model)
-    train_step(model, optimizer, rank, 0)
-    holder = _Holder(torch.arange(6, dtype=torch.float32))
-    checkpoint = Checkpoint({"model": model, "optimizer": optimizer, "holder": holder}, ShardedSaver(dirname))
-    engine = Engine(lambda e, b: None)
+    checkpoint, holder, engine = _zero_and_a_holder(rank, dirname)
     engine.state.iteration = 1
     checkpoint(engine)
     holder.x = torch.arange(9, dtype=torch.float32)  # a new shape, in a save that fails on one rank as it writes
@@ -137,10 +142,7 @@ def _save_after_a_failed_save(rank, world_size, dirname):
         sharded.DirectoryWriter.write_data = write_data
     engine.state.iteration = 3
     checkpoint(engine)
-    loaded = _Holder(None)
-    Checkpoint.load_objects(
-        {"model": tiny_model(1), "optimizer": zero_adam(tiny_model(1)), "holder": loaded}, checkpoint.last_checkpoint
-    )
+    loaded = _loaded_holder(checkpoint)
     assert torch.equal(loaded.x, holder.x), loaded.x
     return str(checkpoint.last_checkpoint)
 

@@ -264,13 +264,7 @@ class ShardedSaver(DirectorySaver):
         started = time.perf_counter()
         try:
             with sharded.in_one_process() if _alone(ranks) else contextlib.nullcontext():
-                dcp.save(
-                    dict(state),
-                    storage_writer=writer,
-                    planner=planner,
-                    process_group=group,
-                    no_dist=_alone(ranks),
-                )
+                dcp.save(dict(state), **_dcp_arguments(writer, planner, group, ranks))
         except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException
             failure = error
             self._failed_saves += 1  # what DCP kept of this save's plans may differ between ranks
@@ -294,16 +288,7 @@ class ShardedSaver(DirectorySaver):
         # a Future: with DCP's default stager, staging is done once async_save returns
         try:
             with sharded.in_one_process() if _alone(ranks) else contextlib.nullcontext():
-                future = cast(
-                    Future,
-                    dcp.async_save(
-                        dict(state),
-                        storage_writer=writer,
-                        planner=planner,
-                        process_group=group,
-                        no_dist=_alone(ranks),
-                    ),
-                )
+                future = cast(Future, dcp.async_save(dict(state), **_dcp_arguments(writer, planner, group, ranks)))
         except BaseException:
             self._failed_saves += 1
             raise
@@ -699,6 +684,11 @@ def _dcp_group(request: SaveRequest, dedicated: bool) -> Any:
     if not request.collective:
         return None
     return cpu_group(dedicated=request.stream if dedicated else None)
+
+
+def _dcp_arguments(writer: Any, planner: Any, group: Any, ranks: Sequence[int] | None) -> dict[str, Any]:
+    """What ``dcp.save`` and ``dcp.async_save`` are given besides the state."""
+    return {"storage_writer": writer, "planner": planner, "process_group": group, "no_dist": _alone(ranks)}
 
 
 def _forget_save_plans(keys: Mapping[str, str]) -> None:
