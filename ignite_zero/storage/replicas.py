@@ -791,12 +791,11 @@ def complete(where: str | os.PathLike, storage_options: Mapping[str, Any] | None
     replicated_here = False
     try:
         parent, name = split(where, storage_options)
-        if not parent.seen_alike_by_every_host:
-            replicated_here = _replicated(parent, name) is not None
+        if parent.seen_alike_by_every_host:
+            return
+        replicated_here = _replicated(parent, name) is not None
     except Exception as error:
         failure = error
-    if parent is not None and parent.seen_alike_by_every_host:
-        return
     rank, _ = rank_and_world()
     # one round when no host holds a replicated checkpoint under the name: a plain sharded load pays no second one
     found = settle(
