@@ -623,7 +623,7 @@ def storage_archive_version() -> bytes:
 # --------------------------------------------------------------------------------------------------
 # DCP's file layout, written by ignite_zero.storage.formats.dcp_files.
 
-__all__ += ["DCP_VERSION", "KEEPS_SAVE_PLANS", "dcp_storage_info", "forget_save_plans", "plan_keeping_save_planner"]
+__all__ += ["DCP_VERSION", "dcp_storage_info"]
 
 #: The version ``FileSystemWriter`` records in ``.metadata`` (torch 2.11 to 2.14).
 DCP_VERSION = "1.0.0"
@@ -635,40 +635,3 @@ def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length)
-
-
-#: Whether DCP keeps a rank's plan only once the save's global plan was made (``_pending_local_plan``, torch 2.13 and
-#: 2.14): torch 2.11 keeps it as soon as it is made, so that a save that fails before the global plan leaves ranks'
-#: kept plans unlike the coordinator's, and the next save with them fails.
-KEEPS_SAVE_PLANS = TORCH_VERSION >= Version("2.13")
-
-
-def plan_keeping_save_planner(key: str) -> Any:
-    """DCP's default save planner, keeping its plans between saves under ``key`` (``enable_plan_caching``): a save
-    whose plans did not change sends empty ones, and the coordinator reuses its global plan and metadata. A planner
-    that keeps nothing where DCP's keeping is not safe (:data:`KEEPS_SAVE_PLANS`).
-
-    DCP keys what it keeps by the planner's class name, in dicts of the class: two savers of different states in one
-    process would each evict the other's plans, and a rank whose plan compares equal to the other saver's would reuse
-    them. The private key makes it one cache per saver; :func:`forget_save_plans` drops it.
-    """
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    planner = DefaultSavePlanner(enable_plan_caching=KEEPS_SAVE_PLANS)
-    planner._cached_plans_key = key
-    return planner
-
-
-def forget_save_plans(key: str) -> None:
-    """Drop what DCP keeps between saves under ``key`` (see :func:`plan_keeping_save_planner`): its dicts live as long
-    as the process."""
-    from torch.distributed.checkpoint.planner import SavePlanner
-
-    for kept in (
-        "_cached_save_plan",
-        "_cached_all_plans",
-        "_cached_global_plan",
-        "_cached_metadata",
-        "_cached_final_save_plan",
-    ):
-        getattr(SavePlanner, kept, {}).pop(key, None)

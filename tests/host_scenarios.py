@@ -282,8 +282,7 @@ def grown(workdir: Path, node_local: Path) -> dict[str, Any]:
     train_step(objects["model"], objects["optimizer"], rank, 6)
     trainer.state.iteration = 6
     if rank >= idist.get_nproc_per_node():
-        # the test kills this host now, before its ranks come to the save: a host lost inside DCP's own collectives
-        # leaves the others waiting there until the process group's timeout (see docs/faults.rst)
+        # the test kills this host now, before its ranks come to the save
         (workdir / f"at-save-{rank}").touch()
         time.sleep(600)
     seen["lost"] = attempt(lambda: handler(trainer))

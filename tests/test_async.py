@@ -6,6 +6,7 @@ import copy
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from training import assert_state_equal, tiny_model, train_step, zero_adam
 
-from ignite_zero import Checkpoint, CollectiveTimeoutError, DiskSaver, RankFailureError, verify_file
+from ignite_zero import Checkpoint, CollectiveTimeoutError, DiskSaver, RankFailureError, ShardedSaver, verify_file
+from ignite_zero.storage.formats.directory import DirectoryWriter
 
 pytestmark = pytest.mark.distributed
 
@@ -114,6 +116,47 @@ def test_an_error_in_the_background_surfaces_on_every_rank(tmp_path, where):
     assert results == [(expected_iteration, str(tmp_path / "checkpoint_1.pt"))] * 2
     assert sorted(os.listdir(tmp_path)) == ["checkpoint_1.pt"]
     verify_file(tmp_path / "checkpoint_1.pt")
+
+
+def _staging_fails_on_one_rank(rank, world_size, dirname):
+    model = DistributedDataParallel(tiny_model())
+    optimizer = zero_adam(model)
+    train_step(model, optimizer, rank, 1)
+    objects = {"model": model, "optimizer": optimizer}
+    checkpoint = Checkpoint(objects, ShardedSaver(dirname), async_save=True, sync_timeout=60)
+    engine = Engine(lambda e, b: None)
+    engine.state.iteration = 1
+    checkpoint(engine)
+    checkpoint.wait()
+    stage = DirectoryWriter.stage
+
+    def out_of_memory(self, state):
+        raise RuntimeError("cannot allocate pinned host memory")
+
+    if rank == 1:
+        DirectoryWriter.stage = out_of_memory
+    engine.state.iteration = 2
+    started = time.monotonic()
+    try:
+        with pytest.raises(RankFailureError, match="rank 1: RuntimeError: cannot allocate pinned host memory"):
+            checkpoint(engine)
+            checkpoint.wait()
+    finally:
+        DirectoryWriter.stage = stage
+    elapsed = time.monotonic() - started
+    left = sorted(name for name in os.listdir(dirname) if not name.startswith("."))
+    engine.state.iteration = 3
+    checkpoint(engine)
+    checkpoint.wait()
+    return elapsed, left, str(checkpoint.last_checkpoint)
+
+
+def test_a_staging_that_fails_on_one_rank_fails_the_save_on_every_rank_at_once(tmp_path):
+    for elapsed, left, last in run_ranks(_staging_fails_on_one_rank, 2, tmp_path):
+        assert elapsed < 30, elapsed  # the others learn it with the outcome of the writes, not by a timeout of 60 s
+        assert left == ["checkpoint_1.dcp"], left
+        assert last == str(tmp_path / "checkpoint_3.dcp")
+    assert sorted(name for name in os.listdir(tmp_path) if not name.startswith(".")) == ["checkpoint_3.dcp"]
 
 
 class _SlowSaver(DiskSaver):

@@ -151,6 +151,67 @@ def test_a_save_after_a_failed_one_plans_afresh_and_loads(tmp_path):
     assert run_ranks(_save_after_a_failed_save, 2, tmp_path) == [str(tmp_path / "checkpoint_3.dcp")] * 2
 
 
+def _what_saves_exchange(rank, world_size, dirname):
+    """Three saves of a training run, the state unchanged but for its values, then reshaped (the scheduler's state
+    gains an entry): for each, whether this rank's offer in the preparation carried its plan, the other rounds it
+    took, and the object collectives of the process group it ran."""
+    import torch.distributed as dist
+
+    from ignite_zero import agreement
+
+    objects = mixed_objects("fsdp2", rank)
+    trainer = objects["trainer"]
+    checkpoint = Checkpoint(objects, ShardedSaver(dirname), n_saved=1)
+    seen = []
+    agree = agreement.agree
+
+    def counted(payload, *, what, **kwargs):
+        if what.startswith("preparation of"):
+            seen.append(("plan offered", payload[1][3].plan is not None))
+        else:
+            seen.append(("round", what.split(" of ")[0]))
+        return agree(payload, what=what, **kwargs)
+
+    names = ("gather_object", "all_gather_object", "scatter_object_list", "broadcast_object_list", "barrier")
+    collectives = {name: getattr(dist, name) for name in names}
+
+    def watched(name):
+        def call(*args, **kwargs):
+            seen.append(("collective", name))
+            return collectives[name](*args, **kwargs)
+
+        return call
+
+    trainer.run([0], max_epochs=1)
+    saves = []
+    agreement.agree = counted
+    for name in names:
+        setattr(dist, name, watched(name))
+    try:
+        for step in (2, 3, 4):
+            if step == 4:
+                objects["lr_scheduler"].extra = torch.ones(3)  # in the scheduler's state dict, kept by one rank
+            trainer.state.iteration = step
+            seen.clear()
+            checkpoint(trainer)
+            saves.append(list(seen))
+    finally:
+        agreement.agree = agree
+        for name, collective in collectives.items():
+            setattr(dist, name, collective)
+    return saves
+
+
+def test_a_sharded_save_exchanges_dcp_plans_in_its_own_rounds_and_keeps_them(tmp_path):
+    ranks = run_ranks(_what_saves_exchange, 2, tmp_path)
+    assert any(("plan offered", True) in reshaped for _, _, reshaped in ranks), ranks  # the rank keeping the tensor
+    for first, unchanged, reshaped in ranks:
+        assert ("plan offered", True) in first and ("plan offered", False) in unchanged, (first, unchanged)
+        for save in (first, unchanged, reshaped):
+            assert not [what for kind, what in save if kind == "collective"], save  # DCP's gathers and scatters
+            assert ("round", "planning") not in save, save  # no rank kept plans from another agreement
+
+
 def _rounds_of_a_load(rank, world_size, directory, kind):
     from ignite_zero import agreement
 

@@ -4,25 +4,26 @@ sealed by one rank: renamed into place on a local file system, committed by its 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import socket
 import time
-import uuid
-import weakref
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
-from ignite_zero import _compat, tree
+from ignite_zero import tree
 from ignite_zero.adapters import ShardedState
-from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, round_members, settle
+from ignite_zero.agreement import (
+    DEFAULT_SYNC_TIMEOUT,
+    CollectiveTimeoutError,
+    RankFailureError,
+    rank_and_world,
+    round_members,
+    settle,
+)
 from ignite_zero.groups import cpu_group, discard_group
 from ignite_zero.naming import check_filename
 from ignite_zero.storage import replicas as replicas_
@@ -34,6 +35,7 @@ from ignite_zero.storage.directory import (
     serialized_size,
 )
 from ignite_zero.storage.formats import directory as sharded
+from ignite_zero.storage.formats.dcp_plans import SavePlanning
 from ignite_zero.storage.places import Place
 
 __all__ = ["ShardedSaver", "share"]
@@ -136,13 +138,7 @@ class ShardedSaver(DirectorySaver):
         self._layout: replicas_.Layout | None = None  # the hosts of the ranks, learnt at the first replicated save
         self._async_writer: Any = None  # kept, with its host copies, between saves
         self._seen_by_every_rank = False  # whether a save found the directory shared by every rank yet
-        # what DCP keeps of this saver's plans, by stream: under keys of this saver's own (an id() may name a later
-        # saver), that follow _plans_kept, forgotten with the saver
-        self._plans = uuid.uuid4().hex
-        self._plan_keys: dict[str, str] = {}
-        self._layouts: dict[tuple[Any, ...], int] = {}
-        self._failed_saves = 0
-        weakref.finalize(self, _forget_save_plans, self._plan_keys)
+        self._planning: dict[str, SavePlanning] = {}  # DCP's plans of each stream's saves, kept between them
         super().__init__(dirname, create_dir, require_empty, save_on_rank, storage_options)
 
     @property
@@ -175,7 +171,6 @@ class ShardedSaver(DirectorySaver):
         self.save_state(
             state,
             request.filename,
-            group=_dcp_group(request, dedicated=False),
             timeout=request.timeout,
             stream=request.stream,
             ranks=request.ranks,
@@ -183,15 +178,15 @@ class ShardedSaver(DirectorySaver):
         self._remove_displaced(request)
 
     def stage(self, objects: Any, request: SaveRequest) -> Callable[[], None]:
-        """Let DCP copy this rank's part into host memory it keeps for the next save; the returned work waits for
-        DCP's write and seals the directory."""
+        """Copy this rank's part into host memory kept for the next save; the returned work writes it and seals the
+        directory."""
         state = self._part(objects, request)
         if state is None:
             return lambda: None
         finish = self.save_state_async(
             state,
             request.filename,
-            group=_dcp_group(request, dedicated=True),
+            group=cpu_group(dedicated=request.stream) if request.collective else None,
             timeout=request.timeout,
             stream=request.stream,
             ranks=request.ranks,
@@ -243,7 +238,6 @@ class ShardedSaver(DirectorySaver):
         state: Mapping,
         filename: str,
         *,
-        group: Any = None,
         timeout: float = DEFAULT_SYNC_TIMEOUT,
         stream: str = "main",
         ranks: Sequence[int] | None = None,
@@ -253,90 +247,64 @@ class ShardedSaver(DirectorySaver):
         Args:
             state: this rank's part: plain tensors and values, ``DTensor``s and ``ShardedTensor``s.
             filename: name of the directory.
-            group: gloo process group of every rank for DCP's own collectives; ``None`` for the default group.
             timeout: seconds ranks wait for each other around the write.
             stream: stream of agreement rounds (see :func:`ignite_zero.agreement.agree`).
             ranks: the ranks that write; one rank alone writes the whole directory without collectives.
+
+        .. versionchanged:: 0.2.0
+            No ``group``: DCP's plans and results travel in the saver's own rounds, through the store.
         """
-        writer, planner = self._begin(state, filename, timeout, stream, ranks, cache=False)
+        writer, planning = self._begin(state, filename, timeout, stream, ranks, cache=False)
         relay = self._relay(writer, timeout, stream)
-        failure = None
         started = time.perf_counter()
-        try:
-            with sharded.in_one_process() if _alone(ranks) else contextlib.nullcontext():
-                dcp.save(dict(state), **_dcp_arguments(writer, planner, group, ranks))
-        except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException
-            failure = error
-            self._failed_saves += 1  # what DCP kept of this save's plans may differ between ranks
+        wrote = self._write(planning, writer)
         # files sent once written go over the relays' group: a wait there that times out closes its connections for
         # good, which must not be the group of every rank (the default one, in a gloo job)
         layout = self._layout
-        replicas_group = self._replicas_group(stream) if layout and layout.replicas and relay is None else group
-        self._commit(filename, writer, failure, timeout, stream, ranks, started, replicas_group, relay)
+        replicas_group = self._replicas_group(stream) if layout and layout.replicas and relay is None else None
+        self._commit(filename, writer, planning, wrote, timeout, stream, ranks, started, replicas_group, relay)
 
     def save_state_async(
         self, state: Mapping, filename: str, *, group: Any, timeout: float, stream: str, ranks: Sequence[int] | None
     ) -> Callable[[], None]:
-        """Collective: stage this rank's ``state`` into host memory (the only part that blocks) and start writing
-        it; return the function that waits for the write and seals the directory, to run in another thread.
+        """Collective: stage this rank's ``state`` into host memory (the only part that blocks); return the function
+        that writes it and seals the directory, to run in another thread.
 
-        DCP keeps the host copies for the next save (``cache_staged_state_dict``); ``group`` must be a gloo group
-        of its own (see :func:`ignite_zero.groups.cpu_group`), since DCP's collectives then run beside training.
+        The host copies are kept for the next save; ``group`` is the gloo group that replicas travel over, one of
+        the stream's own (see :func:`ignite_zero.groups.cpu_group`), since they travel beside training.
         """
-        writer, planner = self._begin(state, filename, timeout, stream, ranks, cache=True)
+        writer, planning = self._begin(state, filename, timeout, stream, ranks, cache=True)
         started = time.perf_counter()
-        # a Future: with DCP's default stager, staging is done once async_save returns
+        staged: Mapping[str, Any] | Exception
         try:
-            with sharded.in_one_process() if _alone(ranks) else contextlib.nullcontext():
-                future = cast(Future, dcp.async_save(dict(state), **_dcp_arguments(writer, planner, group, ranks)))
-        except BaseException:
-            self._failed_saves += 1
-            raise
+            staged = writer.stage(dict(state))
+        except Exception as error:  # e.g. no host memory left: reported with the writes, so that no rank waits for it
+            staged = error
 
         def finish() -> None:
-            failure = None
-            try:
-                future.result()
-            except (Exception, CheckpointException) as error:
-                failure = error
-                self._failed_saves += 1
-            self._commit(filename, writer, failure, timeout, stream, ranks, started, group)
+            wrote = staged if isinstance(staged, Exception) else self._write(planning, writer, staged)
+            self._commit(filename, writer, planning, wrote, timeout, stream, ranks, started, group)
 
         return finish
 
-    def _plans_kept(self, state: Mapping) -> tuple[int, int]:
-        """What this rank's kept plans depend on: the number of its layout of ``state`` among those it saved with this
-        saver (from 0, the same for a state laid out alike: the names, nesting and dtypes of its entries), and the
-        number of its saves that failed in DCP.
-
-        DCP finds a plan unchanged by the names, shapes and chunks of its tensors, not by their dtypes nor by where in
-        the nested state each entry lies (``{"a.b": x}`` and ``{"a": {"b": x}}`` are both ``a.b``), which its metadata
-        records too (this project reads the dtypes); and a save that failed may have left ranks keeping plans unlike
-        the coordinator's."""
-        flat, paths = _compat.dcp_flatten(dict(state))
-        layout = tuple(
-            (name, paths[name], value.dtype if isinstance(value, torch.Tensor) else None)
-            for name, value in flat.items()
-        )
-        return self._layouts.setdefault(layout, len(self._layouts)), self._failed_saves
-
-    def _planner(self, stream: str, kept: tuple[tuple[int, int], ...]) -> Any:
-        """DCP's planner, keeping this saver's plans of ``stream`` between saves where no rank's :meth:`_plans_kept`
-        changed (``kept``, every rank's): unchanged plans are not sent again (7 of the 13 ms DCP's planning took before
-        each FSDP2 save of 0.6 GB on 2 ranks). Every rank plans afresh, and forgets the plans it kept, where any
-        rank's changed: DCP's coordinator cannot take kept plans of some ranks beside new ones of others."""
-        key = f"ignite_zero/{self._plans}/{stream}/{kept}"
-        if self._plan_keys.get(stream, key) != key:
-            _compat.forget_save_plans(self._plan_keys[stream])
-        self._plan_keys[stream] = key
-        return _compat.plan_keeping_save_planner(key)
+    @staticmethod
+    def _write(
+        planning: SavePlanning, writer: Any, staged: Mapping[str, Any] | None = None
+    ) -> Sequence[Any] | Exception:
+        """This rank's files, as planned: DCP's write results, or the failure to share in the next round."""
+        try:
+            return planning.write(writer, staged)
+        except Exception as error:
+            return error
+        finally:
+            planning.release()
 
     def _begin(
         self, state: Mapping, filename: str, timeout: float, stream: str, ranks: Sequence[int] | None, cache: bool
-    ) -> tuple[Any, Any]:
+    ) -> tuple[Any, SavePlanning]:
         """Collective: the writing rank clears what an interrupted save left and makes the directory the ranks write
-        into; every rank learns whether the parts of all ranks fit on the disk. Returns this rank's DCP writer and
-        planner."""
+        into; every rank learns whether the parts of all ranks fit on the disk, and DCP's plans of the save are agreed.
+        Returns this rank's DCP writer and the stream's planning."""
         check_filename(filename)
         if self.replicas and self._layout is None:
             self._arrange(filename, timeout, stream, ranks)
@@ -344,10 +312,19 @@ class ShardedSaver(DirectorySaver):
         # where the first save leaves its probe: where the ranks write, or beside it for replicas, where every host's
         # first rank clears what interrupted saves left in a directory that may turn out to be one for all
         probed = self.place if self._layout is not None else target
-        failure, free, probe, kept = None, None, None, (-1, -1)
+        if not cache:
+            writer = sharded.writer_for(target, self.thread_count)
+        else:  # one writer for every asynchronous save: its host copies are reused
+            if self._async_writer is None:
+                self._async_writer = sharded.writer_for(target, self.thread_count, cache_staged_state_dict=True)
+            writer = self._async_writer
+            writer.reset(target.location())
+        writer.written.clear()
+        planning = self._planning.setdefault(stream, SavePlanning())
+        failure, free, probe, offer = None, None, None, None
         try:
-            kept = self._plans_kept(state)
-        except Exception as error:  # a state DCP cannot flatten: the others wait for this rank's report
+            offer = planning.offer(state, writer, round_members(ranks), rank_and_world()[0])
+        except Exception as error:  # a state DCP cannot plan: the others wait for this rank's report
             failure = error
         if self.is_writer and failure is None:
             try:
@@ -369,22 +346,24 @@ class ShardedSaver(DirectorySaver):
             what=f"preparation of {filename}",
             timeout=timeout,
             stream=stream,
-            payload=(serialized_size(state), free, probe, kept),
+            payload=(serialized_size(state), free, probe, offer),
             ranks=ranks,
         )
         probe = next((token for _, _, token, _ in reports if token is not None), None)
         if probe is not None:
             self._check_seen_by_every_rank(probed, probe, filename, timeout, stream, ranks)
         self._check_room(filename, reports, ranks)
-        if not cache:
-            writer = sharded.writer_for(target, self.thread_count)
-        else:  # one writer for every asynchronous save: its host copies are reused
-            if self._async_writer is None:
-                self._async_writer = sharded.writer_for(target, self.thread_count, cache_staged_state_dict=True)
-            writer = self._async_writer
-            writer.reset(target.location())
-        writer.written.clear()
-        return writer, self._planner(stream, tuple(kept for _, _, _, kept in reports))
+        if not planning.agree([offer for _, _, _, offer in reports], writer):  # plans kept from different agreements
+            offers = settle(
+                None,
+                what=f"planning of {filename}",
+                timeout=timeout,
+                stream=stream,
+                payload=planning.full_offer(),
+                ranks=ranks,
+            )
+            planning.agree(offers, writer)
+        return writer, planning
 
     def _relay(self, writer: Any, timeout: float, stream: str) -> replicas_.Relay | None:
         """Collective, in a synchronous replicated save: make ``writer`` write through a relay that sends this rank's
@@ -525,7 +504,8 @@ class ShardedSaver(DirectorySaver):
         self,
         filename: str,
         writer: Any,
-        failure: BaseException | None,
+        planning: SavePlanning,
+        wrote: Sequence[Any] | Exception,
         timeout: float,
         stream: str,
         ranks: Sequence[int] | None,
@@ -533,20 +513,37 @@ class ShardedSaver(DirectorySaver):
         group: Any = None,
         relay: replicas_.Relay | None = None,
     ) -> None:
-        """Collective: every rank's files to the writing rank, which seals the directory and puts it in place. With
-        replicas, each rank's files also go to its partners on other hosts (through ``relay`` as they were written,
-        else now), then every host's first rank seals its host's directory, and every rank learns that all of them
-        did."""
+        """Collective, once this rank wrote its files (``wrote``: DCP's results, or the failure): every rank's results
+        to the coordinator, which writes ``.metadata``; then every rank's files to the writing rank, which seals the
+        directory and puts it in place. With replicas, each rank's files also go to its partners on other hosts
+        (through ``relay`` as they were written, else now), then every host's first rank seals its host's directory,
+        and every rank learns that all of them did."""
+        failure: BaseException | None = wrote if isinstance(wrote, Exception) else None
+        results: Sequence[Any] = [] if isinstance(wrote, Exception) else wrote
+        outcome: BaseException | None = None  # a failure every rank learnt in the round of results
+        what = f"sharded save of {filename}"
+        try:
+            every_rank = settle(failure, what=what, timeout=timeout, payload=results, stream=stream, ranks=ranks)
+            if planning.is_coordinator:  # through the relay too, like any file
+                planning.finish(writer, every_rank)
+        except (RankFailureError, CollectiveTimeoutError) as error:
+            outcome = error
+        except Exception as error:  # the coordinator's .metadata
+            failure = error
         received: dict[str, tuple[int, int]] = {}
         if relay is not None:
             try:
                 received = relay.finish()
             except Exception as error:
                 failure = failure if failure is not None else error
+        if outcome is not None:
+            if relay is not None:
+                discard_group(_replicas_use(stream))
+            raise outcome
         try:
             reports = settle(
                 failure,
-                what=f"sharded save of {filename}",
+                what=what,
                 timeout=timeout,
                 payload=(dict(writer.written), dict(writer.records), received),
                 stream=stream,
@@ -669,28 +666,5 @@ def share(state: Any, rank: int, world_size: int, keeper: int) -> Any:
     return tree.map_tree(deal, state, is_leaf=whole)
 
 
-def _alone(ranks: Sequence[int] | None) -> bool:
-    """Whether one rank writes a whole sharded checkpoint by itself, with no collective."""
-    return ranks is not None and len(ranks) == 1
-
-
 def _replicas_use(stream: str) -> str:
     return f"{stream}|replicas"
-
-
-def _dcp_group(request: SaveRequest, dedicated: bool) -> Any:
-    """The gloo group of every rank for ``torch.distributed.checkpoint``'s collectives; ``None`` without one. An
-    asynchronous save's group is its stream's own."""
-    if not request.collective:
-        return None
-    return cpu_group(dedicated=request.stream if dedicated else None)
-
-
-def _dcp_arguments(writer: Any, planner: Any, group: Any, ranks: Sequence[int] | None) -> dict[str, Any]:
-    """What ``dcp.save`` and ``dcp.async_save`` are given besides the state."""
-    return {"storage_writer": writer, "planner": planner, "process_group": group, "no_dist": _alone(ranks)}
-
-
-def _forget_save_plans(keys: Mapping[str, str]) -> None:
-    for key in keys.values():
-        _compat.forget_save_plans(key)

@@ -200,7 +200,6 @@ class PlaceStorageWriter(StorageWriter):
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self.place.make()
         if self.rank is not None and not self.use_collectives:
             return dataclasses.replace(plan, storage_data=_Prefix(f"__{self.rank}_"))
         return plan
@@ -212,6 +211,8 @@ class PlaceStorageWriter(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        # here, not while planning: a saver plans before its writing rank clears what an interrupted save left
+        self.place.make()
         prefix = plan.storage_data.prefix
         files = [(f"{prefix}{n}{_SUFFIX}", items) for n, items in enumerate(_split(plan.items, self.thread_count))]
         producers = staging.current_streams()  # this thread's: the writing threads copy after their work

@@ -1,0 +1,157 @@
+"""DCP's save protocol, with its plans shared through the saver's own rounds instead of DCP's collectives.
+
+``dcp.save`` gathers every rank's local plan to a coordinator and scatters the global plans back, then gathers every
+rank's write results for ``.metadata`` and broadcasts the outcome: four object collectives over the process group.
+Before and after them a sharded save runs its own rounds anyway (preparation, commit), through the store. On 2 ranks
+of FSDP2 (0.6 GB of state, 2 cores, tmpfs), DCP's two exchanges took 11 and 10 ms of a 0.26 s save; a round of
+ours takes about 1 ms. So :class:`SavePlanning` runs the same steps with the same planner (``DefaultSavePlanner``)
+and storage writer, in DCP's order, but its :class:`Offer` travels in the preparation round and every rank makes the
+global plans from every rank's offer itself: planning is deterministic, and each rank needs its own plan and the
+coordinator the metadata. The directory is the one ``dcp.save`` writes.
+
+Plans are kept between saves, as DCP's ``enable_plan_caching`` keeps them: a rank whose local plan did not change
+offers none, and where no rank's did, the kept global plans and metadata are reused (2.6 ms of global planning a
+save, besides 0.7 ms of pickling a plan). Every agreement on plans is numbered alike on every rank; a rank offers its
+number with its plan, so that ranks that kept plans from different agreements (a round that failed on some ranks
+only, a saver used by other ranks) are found out, and plan afresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+__all__ = ["Offer", "SavePlanning"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    """What a rank brings to the agreement on plans.
+
+    Attributes:
+        kept: the number of the agreement this rank keeps plans from, among the same ranks; 0 if none.
+        latest: the highest number of an agreement this rank took part in.
+        plan: this rank's local plan; ``None`` where it is the one kept.
+    """
+
+    kept: int
+    latest: int
+    plan: SavePlan | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Agreement:
+    members: tuple[int, ...]
+    number: int
+    local_plans: list[SavePlan]  # every rank's, in the order of members
+    central_plan: SavePlan  # this rank's part of the global plan
+    metadata: Metadata | None  # the coordinator's only
+
+
+class SavePlanning:
+    """One stream of saves of one saver: the plans of each save, agreed among its ranks, and those kept from the last.
+
+    A save calls :meth:`offer`, shares the offer of every rank, then calls :meth:`agree` with all of them; where that
+    returns False, every rank shares :meth:`full_offer` and calls :meth:`agree` again. Then :meth:`write` writes this
+    rank's files and, given every rank's write results, the coordinator writes ``.metadata`` (:meth:`finish`).
+
+    Agreements are numbered above every number that any of their ranks saw, so that two ranks keeping plans from
+    agreements of the same number and ranks took part in the same one.
+    """
+
+    def __init__(self) -> None:
+        self._kept: _Agreement | None = None
+        self._latest = 0
+        self._planner: DefaultSavePlanner | None = None
+        self._local_plan: SavePlan | None = None
+        self._members: tuple[int, ...] = ()
+        self._position = 0
+
+    @property
+    def central_plan(self) -> SavePlan | None:
+        """This rank's part of the agreed global plan; ``None`` before an agreement."""
+        return None if self._kept is None else self._kept.central_plan
+
+    @property
+    def metadata(self) -> Metadata | None:
+        """The agreed ``.metadata``, but for the write results; on the coordinator only."""
+        return None if self._kept is None else self._kept.metadata
+
+    @property
+    def is_coordinator(self) -> bool:
+        """Whether this rank writes ``.metadata``: the first of the save's ranks, as DCP's coordinator."""
+        return self._position == 0
+
+    def offer(self, state: Mapping[str, Any], writer: StorageWriter, members: Sequence[int], rank: int) -> Offer:
+        """Plan this rank's part of a save of ``state`` (its ``Stateful`` values saved by their state dict, as DCP
+        does) by ``writer``, among the ranks ``members``; return the offer to share with them."""
+        self._members, self._position = tuple(members), list(members).index(rank)
+        state = {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(), is_coordinator=self.is_coordinator)
+        writer.set_up_storage_writer(self.is_coordinator, rank=self._position, use_collectives=True)
+        self._planner = planner
+        self._local_plan = writer.prepare_local_plan(planner.create_local_plan())
+        kept = self._kept
+        if kept is None or kept.members != self._members:
+            return self.full_offer()
+        same = kept.local_plans[self._position] == self._local_plan
+        return Offer(kept.number, self._latest, None if same else self._local_plan)
+
+    def full_offer(self) -> Offer:
+        """This rank's offer with its plan: where it keeps none, and in the second round where ranks kept plans from
+        different agreements."""
+        assert self._local_plan is not None, "offer() first"
+        return Offer(0, self._latest, self._local_plan)
+
+    def agree(self, offers: Sequence[Offer], writer: StorageWriter) -> bool:
+        """From every rank's offer, in the order of the members: this rank's global plan (and the coordinator's
+        metadata), made afresh where any plan changed, else kept. False, with nothing planned, where ranks offered no
+        plan from different kept agreements: every rank then offers :meth:`full_offer`."""
+        kept = self._kept
+        self._latest = max(self._latest, *(offer.latest for offer in offers))
+        if any(offer.plan is None for offer in offers) and (
+            kept is None or any(offer.kept != kept.number for offer in offers)
+        ):
+            self._kept = None
+            return False
+        if kept is not None and all(offer.plan is None for offer in offers):
+            return True
+        plans = [offer.plan or kept.local_plans[n] for n, offer in enumerate(offers)]  # type: ignore[union-attr]
+        assert self._planner is not None, "offer() first"
+        global_plans, metadata = self._planner.create_global_plan(plans)
+        global_plans = writer.prepare_global_plan(global_plans)
+        self._latest += 1
+        central_plan = global_plans[self._position]
+        self._kept = _Agreement(
+            self._members, self._latest, plans, central_plan, metadata if self.is_coordinator else None
+        )
+        return True
+
+    def write(self, writer: StorageWriter, staged: Mapping[str, Any] | None = None) -> list[WriteResult]:
+        """Write this rank's part of the agreed plan; ``staged``: the host copy of the state to write instead
+        (an asynchronous save's), laid out as the state planned."""
+        planner, kept = self._planner, self._kept
+        assert planner is not None and kept is not None, "agree() first"
+        if staged is not None:
+            planner.set_up_planner(state_dict=dict(staged), is_coordinator=self.is_coordinator)
+        writes = writer.write_data(planner.finish_plan(kept.central_plan), planner)
+        writes.wait()
+        return writes.value()
+
+    def finish(self, writer: StorageWriter, results: Sequence[Sequence[WriteResult]]) -> None:
+        """On the coordinator, once every rank wrote: ``.metadata``, from every rank's ``results``."""
+        kept = self._kept
+        assert kept is not None and kept.metadata is not None, "the coordinator's agree() first"
+        writer.finish(metadata=kept.metadata, results=[list(part) for part in results])
+
+    def release(self) -> None:
+        """Drop what this save holds of the state (the planner refers to its tensors); plans stay kept."""
+        self._planner = None

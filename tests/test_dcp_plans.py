@@ -1,0 +1,87 @@
+"""DCP's save plans as ranks agree on them (ignite_zero.storage.formats.dcp_plans): each rank's own planning, given
+the offers that a round of the saver shares, here handed over in one process; the saves that go through real rounds
+are in test_sharded.py."""
+
+import torch
+
+from ignite_zero.storage.formats.dcp_files import PlaceStorageWriter
+from ignite_zero.storage.formats.dcp_plans import SavePlanning
+from ignite_zero.storage.places import LocalPlace
+
+
+class _Rank:
+    def __init__(self, rank, directory):
+        self.rank = rank
+        self.planning = SavePlanning()
+        self.writer = PlaceStorageWriter(LocalPlace(directory))
+
+    def offer(self, state):
+        return self.planning.offer(state, self.writer, [0, 1], self.rank)
+
+    def agree(self, offers):
+        return self.planning.agree(offers, self.writer)
+
+
+def _save(ranks, states, taking_part=(0, 1), second_round=None):
+    """One save's planning: every rank offers; the ranks ``taking_part`` get the round's offers and agree (the others
+    failed in the round), with a second round where they need one. Returns the offers of the first round."""
+    offers = [rank.offer(state) for rank, state in zip(ranks, states)]
+    agreed = [ranks[n].agree(offers) for n in taking_part]
+    assert len(set(agreed)) == 1, "every rank decides alike from the same offers"
+    if second_round is not None:
+        assert second_round == (not agreed[0])
+    if not agreed[0]:
+        full = [rank.planning.full_offer() for rank in ranks]
+        assert all(ranks[n].agree(full) for n in taking_part)
+    return offers
+
+
+def test_plans_are_offered_once_and_kept_while_no_rank_changes(tmp_path):
+    ranks = [_Rank(0, tmp_path), _Rank(1, tmp_path)]
+    states = [{"shared": torch.ones(4), "own0": torch.zeros(3)}, {"shared": torch.ones(4), "own1": torch.zeros(5)}]
+    first = _save(ranks, states)
+    assert all(offer.plan is not None for offer in first)
+    plans = [rank.planning.central_plan for rank in ranks]
+    assert [plan.storage_data.prefix for plan in plans] == ["__0_", "__1_"]
+    written = sorted(item.index.fqn for plan in plans for item in plan.items)
+    assert written == ["own0", "own1", "shared"]  # what every rank holds, written once
+    assert ranks[0].planning.is_coordinator and not ranks[1].planning.is_coordinator
+
+    states[0]["own0"] = torch.full((3,), 7.0)  # new values, the same layout
+    second = _save(ranks, states, second_round=False)
+    assert all(offer.plan is None for offer in second)
+    assert all(rank.planning.central_plan is plan for rank, plan in zip(ranks, plans))  # kept, not planned again
+
+    states[1]["own1"] = torch.zeros(6, dtype=torch.float64)  # one rank's tensor changes shape and dtype
+    third = _save(ranks, states)
+    assert third[0].plan is None and third[1].plan is not None
+    metadata = ranks[0].planning.metadata
+    assert metadata.state_dict_metadata["own1"].size == torch.Size([6])
+    assert metadata.state_dict_metadata["own1"].properties.dtype == torch.float64
+
+
+def test_ranks_that_kept_plans_from_different_agreements_plan_afresh(tmp_path):
+    ranks = [_Rank(0, tmp_path), _Rank(1, tmp_path)]
+    states = [{"own0": torch.zeros(3)}, {"own1": torch.zeros(5)}]
+    _save(ranks, states)
+    states[0]["own0"] = torch.zeros(4)
+    _save(ranks, states, taking_part=(0,))  # rank 1 failed in the round: it keeps the first agreement's plans
+    # neither rank's plan changed since the agreement it keeps, but those differ: each offers none at first
+    offers = _save(ranks, states, second_round=True)
+    assert all(offer.plan is None for offer in offers)
+    for rank in ranks:
+        planned = {item.index.fqn: item.tensor_data.size for item in rank.planning.central_plan.items}
+        assert planned == {f"own{rank.rank}": torch.Size([4 if rank.rank == 0 else 5])}
+    assert ranks[0].planning.metadata.state_dict_metadata["own0"].size == torch.Size([4])
+    again = _save(ranks, states, second_round=False)  # and they keep the same plans since
+    assert all(offer.plan is None for offer in again)
+
+
+def test_an_agreement_among_other_ranks_is_not_kept_for_these(tmp_path):
+    planning = SavePlanning()
+    writer = PlaceStorageWriter(LocalPlace(tmp_path))
+    state = {"x": torch.zeros(2)}
+    alone = planning.offer(state, writer, [1], 1)
+    assert planning.agree([alone], writer)
+    together = planning.offer(state, writer, [0, 1], 1)
+    assert together.plan is not None and together.kept == 0
