@@ -67,7 +67,39 @@ def _without_serialization_id(data: bytes) -> bytes:
 
 @pytest.mark.parametrize("name", list(_objects()))
 def test_the_archive_is_torch_saves_record_by_record(name):
-    obj = _objects()[name]
+    _assert_torch_saves(_objects()[name])
+
+
+def _lone_tensors() -> list[torch.Tensor]:
+    base = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    with_attribute = torch.ones(4)
+    with_attribute.note = "kept"
+    complex_ones = torch.ones(3, dtype=torch.complex64)
+    return [
+        torch.arange(10, dtype=torch.float32),
+        torch.arange(10, dtype=torch.float32) * 2,  # the first one's layout: its pickle kept
+        torch.arange(10, dtype=torch.float64),
+        base[2:4],
+        base[3:5],  # another offset in the same storage
+        base.t(),
+        base.t().contiguous(),
+        torch.ones(5),
+        torch.ones(5, requires_grad=True),  # each one after one laid out alike but for what it tells
+        complex_ones,
+        complex_ones.conj(),
+        complex_ones.imag,
+        complex_ones.conj().imag,  # the negative bit
+        with_attribute,
+        torch.nn.Parameter(torch.ones(4)),
+    ]
+
+
+def test_lone_tensors_of_every_layout_are_torch_saves_record_by_record_whenever_their_pickle_is_kept():
+    for tensor in _lone_tensors() + _lone_tensors():  # the second time, every plain one's pickle is kept
+        _assert_torch_saves(tensor)
+
+
+def _assert_torch_saves(obj: object) -> None:
     theirs = io.BytesIO()
     torch.save(obj, theirs)
     ours = io.BytesIO()
