@@ -125,8 +125,9 @@ _PICKLES_KEPT = 1024
 def _pickled(obj: Any) -> tuple[bytes, list[tuple[str, torch.UntypedStorage]]]:
     """``torch.save``'s pickle of ``obj`` and the storages it refers to, by their keys in it."""
     layout = _lone_tensor_layout(obj)
-    if layout is not None and layout in _PICKLES:
-        return _PICKLES[layout], [("0", obj.untyped_storage())]
+    kept = None if layout is None else _PICKLES.get(layout)  # one look: writing threads may clear it meanwhile
+    if kept is not None:
+        return kept, [("0", obj.untyped_storage())]
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     pickler.dump(obj)
