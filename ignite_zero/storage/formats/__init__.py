@@ -7,6 +7,7 @@
 ``directory``  a sharded directory: ``torch.distributed.checkpoint``'s, sealed with a manifest of every file
                (:class:`DirectoryWriter` writes it, :class:`DirectoryReader` reads it)
 ``dcp_files``  DCP's files, written straight from tensor memory and read into place, through a place
+``dcp_plans``  DCP's save plans, agreed in the saver's own rounds and kept between saves
 ``torch_zip``  ``torch.save``'s archive, written record by record
 =============  ===============================================================================================
 
