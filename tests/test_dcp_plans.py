@@ -85,3 +85,13 @@ def test_an_agreement_among_other_ranks_is_not_kept_for_these(tmp_path):
     assert planning.agree([alone], writer)
     together = planning.offer(state, writer, [0, 1], 1)
     assert together.plan is not None and together.kept == 0
+
+
+def test_an_agreement_is_kept_for_the_same_position_among_the_same_ranks_only(tmp_path):
+    planning = SavePlanning()
+    writer = PlaceStorageWriter(LocalPlace(tmp_path))
+    state = {"x": torch.zeros(2)}
+    offers = [planning.offer(state, writer, [0, 1], 0), _Rank(1, tmp_path).offer({"y": torch.zeros(3)})]
+    assert planning.agree(offers, writer)
+    moved = planning.offer(state, writer, [0, 1], 1)  # the process is another rank of the same job now
+    assert moved.plan is not None and moved.kept == 0

@@ -19,6 +19,7 @@ from training import assert_state_equal, mixed_objects, small_net, tiny_model, t
 
 from ignite_zero import Checkpoint, IntegrityError, RankFailureError, ShardedSaver, tree
 from ignite_zero.storage.formats import directory as sharded
+from ignite_zero.storage.places import LocalPlace
 from ignite_zero.storage.sharded import share
 
 pytestmark = pytest.mark.distributed
@@ -210,6 +211,68 @@ def test_a_sharded_save_exchanges_dcp_plans_in_its_own_rounds_and_keeps_them(tmp
         for save in (first, unchanged, reshaped):
             assert not [what for kind, what in save if kind == "collective"], save  # DCP's gathers and scatters
             assert ("round", "planning") not in save, save  # no rank kept plans from another agreement
+
+
+def _metadata_fails_on_the_coordinator(rank, world_size, dirname):
+    checkpoint, holder, engine = _zero_and_a_holder(rank, dirname)
+    engine.state.iteration = 1
+    checkpoint(engine)
+    finish = sharded.DirectoryWriter.finish
+
+    def failing(self, metadata, results):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    sharded.DirectoryWriter.finish = failing  # called on the coordinator only
+    engine.state.iteration = 2
+    try:
+        with pytest.raises(RankFailureError, match=r"rank 0: OSError: \[Errno 28\] No space left on device"):
+            checkpoint(engine)
+    finally:
+        sharded.DirectoryWriter.finish = finish
+    left = sorted(name for name in os.listdir(dirname) if not name.startswith("."))
+    holder.x = holder.x * 3
+    engine.state.iteration = 3
+    checkpoint(engine)
+    assert torch.equal(_loaded_holder(checkpoint).x, holder.x)
+    return left
+
+
+def test_a_save_whose_metadata_fails_on_the_coordinator_fails_on_every_rank_and_keeps_the_previous(tmp_path):
+    assert run_ranks(_metadata_fails_on_the_coordinator, 2, tmp_path) == [["checkpoint_1.dcp"]] * 2
+    assert sorted(name for name in os.listdir(tmp_path) if not name.startswith(".")) == ["checkpoint_3.dcp"]
+
+
+class _Counter:
+    """A ``Stateful`` value of a state saved directly, as DCP takes them."""
+
+    def __init__(self, count):
+        self.count = count
+
+    def state_dict(self):
+        return {"count": torch.tensor(self.count)}
+
+    def load_state_dict(self, state):
+        self.count = int(state["count"])
+
+
+def _stateful_values_saved_in_the_background(rank, world_size, dirname):
+    from ignite_zero.groups import cpu_group
+
+    saver = ShardedSaver(dirname)
+    state = {"counter": _Counter(3), "own": {f"x{rank}": torch.full((4,), float(rank))}}
+    finish = saver.save_state_async(
+        state, "state.dcp", group=cpu_group(dedicated="test"), timeout=60, stream="test", ranks=None
+    )
+    finish()
+    return True
+
+
+def test_stateful_values_are_saved_by_their_state_dict_in_the_background_too(tmp_path):
+    assert run_ranks(_stateful_values_saved_in_the_background, 2, tmp_path) == [True, True]
+    with sharded.DirectoryReader(LocalPlace(tmp_path / "state.dcp")) as reader:
+        loaded = reader.load(weights_only=True)
+    assert int(loaded["counter"]["count"]) == 3
+    assert torch.equal(loaded["own"]["x1"], torch.ones(4)) and torch.equal(loaded["own"]["x0"], torch.zeros(4))
 
 
 def _rounds_of_a_load(rank, world_size, directory, kind):

@@ -94,9 +94,18 @@ def _lone_tensors() -> list[torch.Tensor]:
     ]
 
 
-def test_lone_tensors_of_every_layout_are_torch_saves_record_by_record_whenever_their_pickle_is_kept():
-    for tensor in _lone_tensors() + _lone_tensors():  # the second time, every plain one's pickle is kept
+def test_lone_tensors_of_every_layout_are_torch_saves_record_by_record_whenever_their_pickle_is_kept(monkeypatch):
+    pickled = []
+    dump = torch_zip._Pickler.dump
+    monkeypatch.setattr(torch_zip._Pickler, "dump", lambda self, obj: pickled.append(obj) or dump(self, obj))
+    monkeypatch.setattr(torch_zip, "_PICKLES", {})
+    for tensor in _lone_tensors():
         _assert_torch_saves(tensor)
+    assert len(pickled) == len(_lone_tensors()) - 1  # all but the second, laid out as the first
+    pickled.clear()
+    for tensor in _lone_tensors():  # every plain one's pickle kept: the one with an attribute and the Parameter not
+        _assert_torch_saves(tensor)
+    assert [type(obj) for obj in pickled] == [torch.Tensor, torch.nn.Parameter] and pickled[0].note == "kept"
 
 
 def _assert_torch_saves(obj: object) -> None:

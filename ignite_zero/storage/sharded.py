@@ -35,7 +35,7 @@ from ignite_zero.storage.directory import (
     serialized_size,
 )
 from ignite_zero.storage.formats import directory as sharded
-from ignite_zero.storage.formats.dcp_plans import SavePlanning
+from ignite_zero.storage.formats.dcp_plans import SavePlanning, as_saved
 from ignite_zero.storage.places import Place
 
 __all__ = ["ShardedSaver", "share"]
@@ -254,6 +254,7 @@ class ShardedSaver(DirectorySaver):
         .. versionchanged:: 0.2.0
             No ``group``: DCP's plans and results travel in the saver's own rounds, through the store.
         """
+        state = as_saved(state)
         writer, planning = self._begin(state, filename, timeout, stream, ranks, cache=False)
         relay = self._relay(writer, timeout, stream)
         started = time.perf_counter()
@@ -267,19 +268,21 @@ class ShardedSaver(DirectorySaver):
     def save_state_async(
         self, state: Mapping, filename: str, *, group: Any, timeout: float, stream: str, ranks: Sequence[int] | None
     ) -> Callable[[], None]:
-        """Collective: stage this rank's ``state`` into host memory (the only part that blocks); return the function
-        that writes it and seals the directory, to run in another thread.
+        """Collective: plan the save and stage this rank's ``state`` into host memory (what blocks); return the
+        function that writes it and seals the directory, to run in another thread.
 
         The host copies are kept for the next save; ``group`` is the gloo group that replicas travel over, one of
         the stream's own (see :func:`ignite_zero.groups.cpu_group`), since they travel beside training.
         """
+        state = as_saved(state)
         writer, planning = self._begin(state, filename, timeout, stream, ranks, cache=True)
         started = time.perf_counter()
         staged: Mapping[str, Any] | Exception
         try:
-            staged = writer.stage(dict(state))
+            staged = writer.stage(state)
         except Exception as error:  # e.g. no host memory left: reported with the writes, so that no rank waits for it
             staged = error
+        planning.release()  # the write reads the host copies: the state itself may change meanwhile
 
         def finish() -> None:
             wrote = staged if isinstance(staged, Exception) else self._write(planning, writer, staged)
@@ -383,8 +386,8 @@ class ShardedSaver(DirectorySaver):
         return relay
 
     def _replicas_group(self, stream: str) -> Any:
-        """The gloo group that replicas travel over in a synchronous save, beside DCP's collectives; a new one after
-        a save whose replication failed, since a gloo wait that timed out closes its connections for good."""
+        """The gloo group that replicas travel over in a synchronous save, apart from the default group; a new one
+        after a save whose replication failed, since a gloo wait that timed out closes its connections for good."""
         return cpu_group(dedicated=_replicas_use(stream))
 
     def _arrange(self, filename: str, timeout: float, stream: str, ranks: Sequence[int] | None) -> None:
@@ -521,14 +524,15 @@ class ShardedSaver(DirectorySaver):
         failure: BaseException | None = wrote if isinstance(wrote, Exception) else None
         results: Sequence[Any] = [] if isinstance(wrote, Exception) else wrote
         outcome: BaseException | None = None  # a failure every rank learnt in the round of results
-        what = f"sharded save of {filename}"
         try:
-            every_rank = settle(failure, what=what, timeout=timeout, payload=results, stream=stream, ranks=ranks)
+            every_rank = settle(
+                failure, what=f"writing of {filename}", timeout=timeout, payload=results, stream=stream, ranks=ranks
+            )
             if planning.is_coordinator:  # through the relay too, like any file
                 planning.finish(writer, every_rank)
         except (RankFailureError, CollectiveTimeoutError) as error:
             outcome = error
-        except Exception as error:  # the coordinator's .metadata
+        except Exception as error:  # the coordinator's .metadata; a lone rank's own failure, which settle raises
             failure = error
         received: dict[str, tuple[int, int]] = {}
         if relay is not None:
@@ -543,7 +547,7 @@ class ShardedSaver(DirectorySaver):
         try:
             reports = settle(
                 failure,
-                what=what,
+                what=f"sharded save of {filename}",
                 timeout=timeout,
                 payload=(dict(writer.written), dict(writer.records), received),
                 stream=stream,

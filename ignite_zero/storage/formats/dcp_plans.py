@@ -14,6 +14,11 @@ offers none, and where no rank's did, the kept global plans and metadata are reu
 save, besides 0.7 ms of pickling a plan). Every agreement on plans is numbered alike on every rank; a rank offers its
 number with its plan, so that ranks that kept plans from different agreements (a round that failed on some ranks
 only, a saver used by other ranks) are found out, and plan afresh.
+
+What it costs at scale: the rounds share every payload with every rank, so each rank reads every rank's plan (at the
+first save, and where plans change) and, at every save, every rank's write results, as it reads every rank's file
+records in the commit round: O(ranks x entries) a rank, where DCP's gathers bring them to its coordinator alone.
+Measured on 2 ranks only; a round that brings payloads to one rank is the step beyond some hundreds of ranks.
 """
 
 from __future__ import annotations
@@ -28,7 +33,12 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-__all__ = ["Offer", "SavePlanning"]
+__all__ = ["Offer", "SavePlanning", "as_saved"]
+
+
+def as_saved(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` as DCP saves it: its ``Stateful`` values by their state dicts."""
+    return {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +59,7 @@ class Offer:
 @dataclasses.dataclass(frozen=True)
 class _Agreement:
     members: tuple[int, ...]
+    position: int  # this rank's among them
     number: int
     local_plans: list[SavePlan]  # every rank's, in the order of members
     central_plan: SavePlan  # this rank's part of the global plan
@@ -90,17 +101,25 @@ class SavePlanning:
         return self._position == 0
 
     def offer(self, state: Mapping[str, Any], writer: StorageWriter, members: Sequence[int], rank: int) -> Offer:
-        """Plan this rank's part of a save of ``state`` (its ``Stateful`` values saved by their state dict, as DCP
-        does) by ``writer``, among the ranks ``members``; return the offer to share with them."""
+        """Plan this rank's part of a save.
+
+        Args:
+            state: this rank's part, as DCP saves it (see :func:`as_saved`).
+            writer: the storage writer of the save.
+            members: the ranks of the save, in the order of the rounds' payloads.
+            rank: this rank, one of them.
+
+        Returns:
+            The offer to share with the other members.
+        """
         self._members, self._position = tuple(members), list(members).index(rank)
-        state = {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
         planner = DefaultSavePlanner()
-        planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(), is_coordinator=self.is_coordinator)
+        planner.set_up_planner(dict(state), storage_meta=writer.storage_meta(), is_coordinator=self.is_coordinator)
         writer.set_up_storage_writer(self.is_coordinator, rank=self._position, use_collectives=True)
         self._planner = planner
         self._local_plan = writer.prepare_local_plan(planner.create_local_plan())
         kept = self._kept
-        if kept is None or kept.members != self._members:
+        if kept is None or (kept.members, kept.position) != (self._members, self._position):
             return self.full_offer()
         same = kept.local_plans[self._position] == self._local_plan
         return Offer(kept.number, self._latest, None if same else self._local_plan)
@@ -112,9 +131,17 @@ class SavePlanning:
         return Offer(0, self._latest, self._local_plan)
 
     def agree(self, offers: Sequence[Offer], writer: StorageWriter) -> bool:
-        """From every rank's offer, in the order of the members: this rank's global plan (and the coordinator's
-        metadata), made afresh where any plan changed, else kept. False, with nothing planned, where ranks offered no
-        plan from different kept agreements: every rank then offers :meth:`full_offer`."""
+        """Agree on the save's plans: this rank's part of the global plan (and the coordinator's metadata), made afresh
+        where any plan changed, else kept.
+
+        Args:
+            offers: every rank's offer, in the order of the members.
+            writer: the storage writer that :meth:`offer` was given.
+
+        Returns:
+            False, with nothing planned, where ranks offered no plan from different kept agreements: every rank then
+            shares :meth:`full_offer` and agrees again.
+        """
         kept = self._kept
         self._latest = max(self._latest, *(offer.latest for offer in offers))
         if any(offer.plan is None for offer in offers) and (
@@ -130,24 +157,37 @@ class SavePlanning:
         global_plans = writer.prepare_global_plan(global_plans)
         self._latest += 1
         central_plan = global_plans[self._position]
-        self._kept = _Agreement(
-            self._members, self._latest, plans, central_plan, metadata if self.is_coordinator else None
-        )
+        coordinated = metadata if self.is_coordinator else None
+        self._kept = _Agreement(self._members, self._position, self._latest, plans, central_plan, coordinated)
         return True
 
     def write(self, writer: StorageWriter, staged: Mapping[str, Any] | None = None) -> list[WriteResult]:
-        """Write this rank's part of the agreed plan; ``staged``: the host copy of the state to write instead
-        (an asynchronous save's), laid out as the state planned."""
-        planner, kept = self._planner, self._kept
-        assert planner is not None and kept is not None, "agree() first"
+        """Write this rank's part of the agreed plan.
+
+        Args:
+            writer: the storage writer that :meth:`offer` was given.
+            staged: a host copy of the state to write instead of the state planned, laid out alike (an asynchronous
+                save's, whose planned state may be released meanwhile).
+
+        Returns:
+            DCP's results of the writes, for :meth:`finish` on the coordinator.
+        """
+        kept, planner = self._kept, self._planner
         if staged is not None:
+            planner = DefaultSavePlanner()
             planner.set_up_planner(state_dict=dict(staged), is_coordinator=self.is_coordinator)
+        assert planner is not None and kept is not None, "offer() and agree() first"
         writes = writer.write_data(planner.finish_plan(kept.central_plan), planner)
         writes.wait()
         return writes.value()
 
     def finish(self, writer: StorageWriter, results: Sequence[Sequence[WriteResult]]) -> None:
-        """On the coordinator, once every rank wrote: ``.metadata``, from every rank's ``results``."""
+        """On the coordinator, once every rank wrote: ``.metadata``.
+
+        Args:
+            writer: the storage writer that :meth:`offer` was given.
+            results: every rank's results of :meth:`write`, in the order of the members.
+        """
         kept = self._kept
         assert kept is not None and kept.metadata is not None, "the coordinator's agree() first"
         writer.finish(metadata=kept.metadata, results=[list(part) for part in results])

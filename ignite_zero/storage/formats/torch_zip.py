@@ -131,24 +131,25 @@ def _pickled(obj: Any) -> tuple[bytes, list[tuple[str, torch.UntypedStorage]]]:
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     pickler.dump(obj)
-    pickled = buffer.getvalue()
-    if layout is not None:
+    pickled, storages = buffer.getvalue(), list(pickler.storages.values())
+    if layout is not None and [key for key, _ in storages] == ["0"]:  # its own storage, as a hit takes it
         if len(_PICKLES) >= _PICKLES_KEPT:
             _PICKLES.clear()
         _PICKLES[layout] = pickled
-    return pickled, list(pickler.storages.values())
+    return pickled, storages
 
 
 def _lone_tensor_layout(obj: Any) -> tuple[Any, ...] | None:
-    """All that torch's pickle of a plain tensor saved alone depends on (its storage's type, size and location, and
-    the tensor's offset, size, strides, ``requires_grad`` and conjugate and negative bits); ``None`` for anything
-    else, pickled each time: a subclass (a ``Parameter``), a tensor with attributes of its own, a sparse or quantized
-    one."""
-    if type(obj) is not torch.Tensor or obj.__dict__ or obj.layout != torch.strided or obj.is_quantized:
+    """All that torch's pickle of a plain CPU tensor saved alone depends on (its storage's type and size, and the
+    tensor's offset, size, strides, ``requires_grad`` and conjugate and negative bits); ``None`` for anything else,
+    pickled each time: a subclass (a ``Parameter``), a tensor with attributes of its own, a sparse, quantized or
+    nested one, one on another device."""
+    if type(obj) is not torch.Tensor or obj.__dict__ or obj.device.type != "cpu" or obj.is_nested:
+        return None
+    if obj.layout != torch.strided or obj.is_quantized:
         return None
     return (
         obj.dtype,
-        str(obj.device),
         obj.untyped_storage().nbytes(),
         obj.storage_offset(),
         tuple(obj.size()),
