@@ -129,12 +129,20 @@ def agree(
         CollectiveTimeoutError: some ranks did not arrive in time, or arrived after the others gave up.
         RankFailureError: ranks called different operations in the same round.
     """
+    return _round(payload, None, None, what=what, timeout=timeout, stream=stream, ranks=ranks)[0]
+
+
+def _round(
+    payload: Any, private: Any, to: int | None, *, what: str, timeout: float, stream: str, ranks: Sequence[int] | None
+) -> tuple[list[Any], list[Any] | None]:
+    """A round of :func:`agree` in which every rank also posts ``private`` for rank ``to`` alone: every payload, and
+    on ``to`` every private part (``None`` elsewhere), in the order of ``ranks``."""
     rank, world_size = rank_and_world()
     members = round_members(ranks)
     if rank not in members:
         raise ValueError(f"Rank {rank} takes part in a round among ranks {members} that it is not one of")
     if len(members) == 1:
-        return [payload]
+        return [payload], [private] if to == rank else None
     channel = _channel()
     store = channel.store
     if len(members) < world_size:
@@ -143,8 +151,11 @@ def agree(
     channel.rounds[stream] = number + 1
     key = f"{_PREFIX}{stream}/{number}"
 
+    privates = None
     try:
-        store.set(f"{key}/p{rank}", pickle.dumps((what, payload)))  # type: ignore[arg-type]  # bytes work too
+        if to is not None:  # before the payload: a rank that finds every payload posted finds every private part too
+            store.set(f"{key}/d{rank}", pickle.dumps(private))  # type: ignore[arg-type]  # bytes work too
+        store.set(f"{key}/p{rank}", pickle.dumps((what, payload)))  # type: ignore[arg-type]
         store.add(f"{key}/n", 1)
         try:
             lost = {r: at for r, (where, at) in channel.lost.items() if where == stream}
@@ -158,6 +169,8 @@ def agree(
             _leave_together(store, f"{key}/gave_up", rank, arrived, timeout)  # every rank that came learns it
             raise
         posted = [pickle.loads(raw) for raw in store.multi_get([f"{key}/p{r}" for r in members])]
+        if rank == to:
+            privates = [pickle.loads(raw) for raw in store.multi_get([f"{key}/d{r}" for r in members])]
         for r in members:  # they came: none of them is lost any more
             channel.lost.pop(r, None)
         _forget(store, f"{_PREFIX}{stream}/{number - 1}", rank, members)
@@ -174,7 +187,7 @@ def agree(
             f"Ranks are in different collective operations ({listing}). Save and load checkpoints on every rank, "
             "in the same order."
         )
-    return [value for _, value in posted]
+    return [value for _, value in posted], privates
 
 
 def post(key: str, value: Any) -> None:
@@ -220,6 +233,7 @@ def settle(
     payload: Any = None,
     stream: str = "main",
     ranks: Sequence[int] | None = None,
+    to: int | None = None,
 ) -> list[Any]:
     """A round of :func:`agree` that also shares whether each rank failed; return all payloads in the order of
     ``ranks``.
@@ -231,6 +245,9 @@ def settle(
         payload: as for :func:`agree`.
         stream: as for :func:`agree`.
         ranks: as for :func:`agree`.
+        to: the one rank that reads the payloads, for a round whose payloads only it needs; the others get an empty
+            list. Every rank still learns whether any failed. A rank then reads ``ranks`` small reports, not every
+            payload: the store serves O(ranks) payloads a round, not O(ranks^2).
 
     Raises:
         RankFailureError: on every rank, if any rank failed; it lists each failed rank's error, and chains
@@ -241,7 +258,13 @@ def settle(
     own = None if failure is None else f"{type(failure).__name__}: {failure}"
     members = round_members(ranks)
     try:
-        posted = agree((own, payload), what=what, timeout=timeout, stream=stream, ranks=members)
+        if to is None:
+            posted = agree((own, payload), what=what, timeout=timeout, stream=stream, ranks=members)
+        else:
+            shared, payloads = _round(
+                (own, None), payload, to, what=what, timeout=timeout, stream=stream, ranks=members
+            )
+            posted = [(text, value) for (text, _), value in zip(shared, payloads or [None] * len(shared))]
     except CollectiveTimeoutError as timeout_error:
         # e.g. a peer died in the middle of the operation: how it showed on the ranks that arrived
         reports = [f"rank {r}: {text}" for r, (text, _) in sorted(timeout_error.posted.items()) if text is not None]
@@ -259,7 +282,7 @@ def settle(
             f"{f'rank {alike[0]}' if len(alike) == 1 else f'ranks {alike}'}: {text}" for text, alike in by_text.items()
         )
         raise RankFailureError(f"The {what} failed on {len(failed)} of {len(posted)} ranks: {listing}") from failure
-    return [value for _, value in posted]
+    return [value for _, value in posted] if to is None or to == rank_and_world()[0] else []
 
 
 def _wait_for_all(
@@ -375,6 +398,7 @@ def _forget(store: dist.Store, key: str, rank: int, members: list[int]) -> None:
     if key.endswith("/-1"):
         return
     store.delete_key(f"{key}/p{rank}")
+    store.delete_key(f"{key}/d{rank}")  # a round's private part, if it had one
     if rank == members[0]:
         for name in ("n", "state", "done", "gave_up"):
             store.delete_key(f"{key}/{name}")

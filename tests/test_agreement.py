@@ -93,6 +93,38 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank():
     assert run_ranks(_one_rank_fails, 2) == [True, True]
 
 
+def _unpickled_on(rank):
+    assert dist.get_rank() == rank, f"unpickled on rank {dist.get_rank()}, not {rank}"
+    return f"for rank {rank}"
+
+
+class _ForOneRank:
+    """A payload that only ``rank`` may unpickle."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def __reduce__(self):
+        return _unpickled_on, (self.rank,)
+
+
+def _rounds_to_one_rank(rank, world_size):
+    gathered = settle(None, what="test", timeout=10, payload=_ForOneRank(1), to=1)
+    failure = OSError("no space") if rank == 2 else None
+    with pytest.raises(RankFailureError, match=r"failed on 1 of 3 ranks: rank 2: OSError: no space"):
+        settle(failure, what="test", timeout=10, payload=_ForOneRank(1), to=1)
+    after = agree(rank, what="test", timeout=10)  # the rounds stay in step
+    return gathered, after
+
+
+def test_a_round_to_one_rank_brings_it_every_payload_and_the_others_only_the_failures():
+    assert run_ranks(_rounds_to_one_rank, 3) == [
+        ([], [0, 1, 2]),
+        (["for rank 1"] * 3, [0, 1, 2]),
+        ([], [0, 1, 2]),
+    ]
+
+
 def test_without_process_group_agreement_is_immediate_and_errors_are_raised_as_they_are():
     assert agree("x", what="checkpoint save", timeout=1) == ["x"]
     failure = OSError("no space")

@@ -524,11 +524,18 @@ class ShardedSaver(DirectorySaver):
         failure: BaseException | None = wrote if isinstance(wrote, Exception) else None
         results: Sequence[Any] = [] if isinstance(wrote, Exception) else wrote
         outcome: BaseException | None = None  # a failure every rank learnt in the round of results
+        members = round_members(ranks)
         try:
             every_rank = settle(
-                failure, what=f"writing of {filename}", timeout=timeout, payload=results, stream=stream, ranks=ranks
+                failure,
+                what=f"writing of {filename}",
+                timeout=timeout,
+                payload=results,
+                stream=stream,
+                ranks=ranks,
+                to=members[0],
             )
-            if planning.is_coordinator:  # through the relay too, like any file
+            if planning.is_coordinator:  # the first member; through the relay too, like any file
                 planning.finish(writer, every_rank)
         except (RankFailureError, CollectiveTimeoutError) as error:
             outcome = error
@@ -544,6 +551,8 @@ class ShardedSaver(DirectorySaver):
             if relay is not None:
                 discard_group(_replicas_use(stream))
             raise outcome
+        # without replicas, only the writing rank needs every rank's files (with replicas, every rank checks them)
+        sealer = self.save_on_rank if self._layout is None and self.save_on_rank in members else None
         try:
             reports = settle(
                 failure,
@@ -552,6 +561,7 @@ class ShardedSaver(DirectorySaver):
                 payload=(dict(writer.written), dict(writer.records), received),
                 stream=stream,
                 ranks=ranks,
+                to=sealer,
             )
         except Exception:
             if relay is not None:  # raised on every rank alike

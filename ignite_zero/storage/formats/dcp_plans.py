@@ -15,10 +15,10 @@ save, besides 0.7 ms of pickling a plan). Every agreement on plans is numbered a
 number with its plan, so that ranks that kept plans from different agreements (a round that failed on some ranks
 only, a saver used by other ranks) are found out, and plan afresh.
 
-What it costs at scale: the rounds share every payload with every rank, so each rank reads every rank's plan (at the
-first save, and where plans change) and, at every save, every rank's write results, as it reads every rank's file
-records in the commit round: O(ranks x entries) a rank, where DCP's gathers bring them to its coordinator alone.
-Measured on 2 ranks only; a round that brings payloads to one rank is the step beyond some hundreds of ranks.
+What it costs at scale: the write results go to the coordinator alone (a round ``to`` one rank, see
+:func:`ignite_zero.agreement.settle`), as DCP gathers them; but every rank reads every rank's plan, at the first save
+and where plans change, to make the global plans itself: O(ranks x entries) a rank then, where DCP's coordinator
+alone reads them and scatters each rank its own. Measured on 2 ranks only.
 """
 
 from __future__ import annotations
