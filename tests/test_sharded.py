@@ -57,6 +57,21 @@ def test_a_sharded_checkpoint_is_a_sealed_directory_with_one_file_per_rank(saved
     assert manifest["world_size"] == 2 and sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
+def test_torch_own_tools_read_the_directory_as_the_full_state(saved, tmp_path):
+    """The ranks' plans, agreed in the saver's rounds, make a directory that DCP's own reader takes whole."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    _, directory = saved
+    dcp_to_torch_save(directory / "checkpoint_4.dcp", tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    (full_file,) = (directory / "full").iterdir()
+    full = torch.load(full_file, weights_only=True)
+    for name in ("model", "side_model"):
+        assert whole[name].keys() == full[name].keys(), name
+        for key, tensor in full[name].items():
+            assert torch.equal(whole[name][key], tensor), (name, key)
+
+
 def _load(rank, world_size, directory, kind):
     objects = mixed_objects(kind, rank, seed=7)
     Checkpoint.load_objects(objects, directory / "checkpoint_4.dcp")
