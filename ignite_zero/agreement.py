@@ -305,7 +305,7 @@ def _wait_for_all(
         now = time.monotonic()
         # A host lost in the middle of a save: a rank of it missed the save's round, and the round that shares the
         # outcome gives up at once instead of timing out a second time.
-        gone = bool(lost) and _a_lost_rank_is_missing(store, key, members, lost)
+        gone = _lost_and_missing(store, key, members, lost) if lost else []
         if now >= deadline or gone:
             missing = [r for r in members if not store.check([f"{key}/p{r}"])]
             silent_for = min(_silence(store, r) for r in missing) if missing else timeout
@@ -320,18 +320,28 @@ def _wait_for_all(
         time.sleep(next(pauses))
 
 
-def _a_lost_rank_is_missing(store: dist.Store, key: str, members: list[int], lost: dict[int, str]) -> bool:
-    """Whether a rank missing from the round ``key`` missed an earlier round of its stream and has not come to it
-    since: it cannot come to this one before that one, which ended without it, so the round cannot succeed."""
-    return any(r in lost and not store.check([f"{key}/p{r}"]) and not store.check([f"{lost[r]}/p{r}"]) for r in members)
+def _lost_and_missing(store: dist.Store, key: str, members: list[int], lost: dict[int, str]) -> list[int]:
+    """The ranks missing from the round ``key`` that missed an earlier round of its stream and have not come to it
+    since: they cannot come to this one before that one, which ended without them, so the round cannot succeed."""
+    return [
+        r for r in members if r in lost and not store.check([f"{key}/p{r}"]) and not store.check([f"{lost[r]}/p{r}"])
+    ]
 
 
 def _timeout_error(
-    rank: int, missing: list[int], gone: bool, members: list[int], what: str, timeout: float
+    rank: int, missing: list[int], gone: list[int], members: list[int], what: str, timeout: float
 ) -> CollectiveTimeoutError:
-    """The same explanation on every rank that gave up, or that arrived after the others gave up; ``gone``: one of
-    the missing ranks had missed an earlier round, and the others gave up at once."""
-    after = "at once (one missed an earlier round too)" if gone else f"after {timeout:g} s"
+    """The same explanation on every rank that gave up, or that arrived after the others gave up; ``gone``: the
+    missing ranks that had missed an earlier round, for which the others gave up at once."""
+    after = f"at once (ranks {gone} missed an earlier round too)" if gone else f"after {timeout:g} s"
+    if rank in missing and gone:
+        # A round that could not succeed whoever came: this rank, alive and in step, only came after the others had
+        # given up on it (the first rank of an earlier round waits a moment more for the others to leave it).
+        return CollectiveTimeoutError(
+            f"The other ranks gave up waiting for ranks {missing} (this one among them) at the {what} {after}: the "
+            f"round could not succeed once ranks {gone} were lost (a host lost in the middle of the operation, say), "
+            "and this rank came to it after the others had given up. The errors of the operation tell what happened."
+        )
     if rank in missing:
         return CollectiveTimeoutError(
             f"The other ranks gave up waiting for ranks {missing} (this one among them) at the {what} {after}, and "
@@ -339,7 +349,9 @@ def _timeout_error(
             "is legitimately slower."
         )
     arrived = [r for r in members if r not in missing]
-    timed_out = "Gave up at once (one missed an earlier round too)" if gone else f"Timed out after {timeout:g} s"
+    timed_out = (
+        f"Gave up at once (ranks {gone} missed an earlier round too)" if gone else f"Timed out after {timeout:g} s"
+    )
     return CollectiveTimeoutError(
         f"{timed_out} waiting for ranks {missing} at the {what} (ranks {arrived} arrived): they "
         "died (a lost host, say), hang, or never call it. It must be called on every rank of the process group: "

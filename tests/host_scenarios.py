@@ -136,6 +136,52 @@ def host_lost(workdir: Path, node_local: Path) -> dict[str, Any]:
     return seen
 
 
+class _Stall:
+    """A value whose pickling stalls its rank: DCP pickles a checkpoint's values while the rank that keeps them (the
+    recipient) writes its file, after the save was planned among every rank."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def __reduce__(self) -> Any:
+        (self.workdir / f"writing-{idist.get_rank()}").touch()
+        time.sleep(600)  # writing its file when the host goes
+        return int, ()
+
+
+def host_lost_mid_write(workdir: Path, node_local: Path) -> dict[str, Any]:
+    """The second host is killed while its first rank writes its file of the second sharded save (the test kills it
+    once the rank is there); the host's other rank has written its own by then."""
+    rank = idist.get_rank()
+    shared = workdir / "shared"
+    objects = _objects(rank)
+    engine = Engine(lambda e, b: None)
+    checkpoint = Checkpoint(objects, ShardedSaver(shared), n_saved=2, sync_timeout=5)
+    train_step(objects["model"], objects["optimizer"], rank, 1)
+    engine.state.iteration = 1
+    checkpoint(engine)
+    if rank == 0:
+        torch.save(objects["model"].state_dict(), workdir / "model-1.pt")
+    dist.barrier()
+    engine.state.iteration = 2
+    second_host = idist.get_nproc_per_node()  # the recipient keeps the values, the stall among them
+    stalled = Checkpoint(
+        {**objects, "stall": _Stall(workdir)},
+        ShardedSaver(shared, require_empty=False),
+        sync_timeout=5,
+        consolidate_recipient_rank=second_host,
+    )
+    seen: dict[str, Any] = {"lost": attempt(lambda: stalled(engine))}
+    seen["checkpoints"] = _visible(shared)
+    return seen
+
+
 def _resumable(rank: int, seed: int = 0) -> dict[str, Any]:
     """The objects of :func:`_objects` and a trainer that trains them, which a checkpoint saves too."""
     objects = _objects(rank, seed)
@@ -307,7 +353,11 @@ def _run(local_rank: int, scenario: str, workdir: Path, node_local: Path) -> Non
     except BaseException:
         outcome = (False, traceback.format_exc())
     (workdir / f"result-{rank}.pkl").write_bytes(pickle.dumps(outcome))
-    if scenario in ("host_lost", "grown"):  # the other host is gone: leave at once rather than wait for it at the exit
+    if scenario in (
+        "host_lost",
+        "host_lost_mid_write",
+        "grown",
+    ):  # the other host is gone: leave at once rather than wait for it at the exit
         sys.stdout.flush()
         os._exit(0)
 

@@ -5,8 +5,8 @@
 - A sharded save needs one directory that every rank shares. To node-local disks it fails at the job's first save,
   on every rank, naming the ranks that cannot see the directory; when a host stops seeing a shared directory later,
   the save fails before it is sealed, and the checkpoint before it still loads.
-- A host lost during a save: the other host's ranks raise within ``sync_timeout``, and the earlier checkpoint is
-  intact.
+- A host lost during a save, as its ranks enter it or while they write a sharded one: the other host's ranks raise
+  within ``sync_timeout``, and the earlier checkpoint is intact.
 """
 
 from __future__ import annotations
@@ -78,14 +78,20 @@ def test_node_local_disks_under_torchrun(tmp_path: Path, free_port: int) -> None
     assert NOT_SHARED in text and "ranks [2, 3] cannot see" in text, text
 
 
-def _lose_the_second_host_at_a_save(hosts: list, tmp_path: Path) -> None:
-    """Kill the second host once its ranks (2 and 3) have entered a save; wait for the first host to end."""
+def _lose_the_second_host(hosts: list, tmp_path: Path, marks: tuple[str, ...]) -> None:
+    """Kill the second host once its ranks have left ``marks`` (files in ``tmp_path``) where it is to go; wait for
+    the first host to end."""
     deadline = time.monotonic() + 120
-    while not all((tmp_path / f"at-save-{rank}").exists() for rank in (2, 3)):
+    while not all((tmp_path / mark).exists() for mark in marks):
         assert time.monotonic() < deadline and hosts[1].process.poll() is None, hosts[1].output()
         time.sleep(0.01)
     hosts[1].kill()
     wait_for(hosts[:1], timeout=60)
+
+
+def _lose_the_second_host_at_a_save(hosts: list, tmp_path: Path) -> None:
+    """Kill the second host once its ranks (2 and 3) have entered a save; wait for the first host to end."""
+    _lose_the_second_host(hosts, tmp_path, ("at-save-2", "at-save-3"))
 
 
 def test_a_host_lost_at_a_save(tmp_path: Path, free_port: int) -> None:
@@ -102,6 +108,30 @@ def test_a_host_lost_at_a_save(tmp_path: Path, free_port: int) -> None:
     model = tiny_model(seed=5)
     Checkpoint.load_objects({"model": model}, earlier)
     assert_state_equal(model.state_dict(), torch.load(earlier, weights_only=True)["model"])
+
+
+def test_a_host_lost_while_writing_a_sharded_save(tmp_path: Path, free_port: int) -> None:
+    hosts = start_hosts("host_lost_mid_write", tmp_path, port=free_port)
+    _lose_the_second_host(hosts, tmp_path, ("writing-2",))  # the save planned among every rank, rank 2 writing
+    seen = _results(tmp_path, range(2))
+
+    sync_timeout = 5
+    for kind, text, elapsed in (s["lost"] for s in seen):
+        # the round after the writes timed out on the rank writing when its host went (and on the host's other rank,
+        # if it had not come to the round yet); the round that shares the outcome then gave up at once
+        assert kind == "CollectiveTimeoutError", text
+        writing = r"Timed out after 5 s waiting for ranks \[2(, 3)?\] at the writing of checkpoint_2.dcp"
+        assert re.search(writing, text), text
+        assert re.search(r"at once \(ranks \[2(, 3)?\] missed an earlier round too\)", text), text
+        assert "Call it on every rank" not in text, text  # no living rank is blamed for coming late
+        assert sync_timeout <= elapsed < 1.5 * sync_timeout, elapsed
+    # the half-written save is no checkpoint; the one before it is whole
+    assert [s["checkpoints"] for s in seen] == [["checkpoint_1.dcp"]] * 2
+    earlier = tmp_path / "shared" / "checkpoint_1.dcp"
+    assert cli.main(["verify", str(earlier)]) == 0
+    model = tiny_model(seed=5)
+    Checkpoint.load_objects({"model": model}, earlier)
+    assert_state_equal(model.state_dict(), torch.load(tmp_path / "model-1.pt", weights_only=True))
 
 
 def test_replicas_on_node_local_disks(tmp_path: Path, free_port: int) -> None:
