@@ -11,7 +11,8 @@ over point-to-point messages:
   travels: gloo aborts the receiving *process* on a size mismatch, it cannot be left to chance. Tensors
   under 1 MiB are packed into shared messages (one message costs about 1 ms on gloo/TCP whatever its
   size; Adam's 0-d ``step`` tensors all travel together); bigger ones get messages of their own, of at most
-  ``chunk_bytes``, sent straight from the tensor's memory and received straight into their destination.
+  ``chunk_bytes``, sent straight from the tensor's memory and received straight into their destination (or, in a
+  consolidated save, into a slot that the saver writes from).
   Anything else (packs, non-contiguous or CUDA tensors) goes through one reusable staging buffer (pinned
   for CUDA), so a sender's extra memory is bounded whatever the size of its state.
 
@@ -42,7 +43,7 @@ import contextvars
 import math
 import pickle
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -50,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ignite_zero import staging
 from ignite_zero.groups import cpu_backend
 from ignite_zero.pickling import join_tensors, split_tensors
 
@@ -89,9 +91,9 @@ _MIN_AUTO_CHUNK_BYTES = 2**20
 # next header, received meanwhile in the caller's thread, are then never matched to each other's receives.
 _STREAM_TAG = 1
 
-# Within :func:`overlapped`, up to this many received messages wait for the saver in slots of their own, of the
-# largest message's size: 64 MiB of buffers against the 0.3 GB that the other rank sends a consolidated FSDP2 save of
-# 0.6 GB.
+# Within :func:`overlapped`, up to this many received messages wait for the saver in slots of their own, each of the
+# size of the largest message (a larger one goes in place): 64 MiB against the 0.3 GB that the other rank sends at a
+# consolidated FSDP2 save of 0.6 GB on 2 ranks.
 _SLOTS = 4
 _SLOT_BYTES = DEFAULT_CHUNK_BYTES
 
@@ -279,25 +281,37 @@ class StreamReceiver:
     def __init__(self, peer: int, destinations: Sequence[torch.Tensor], chunk_bytes: int) -> None:
         self.peer = peer
         self._destinations = destinations
-        self._messages = iter(_plan([(t.dtype, t.numel()) for t in destinations], chunk_bytes))
+        self._messages = _plan([(t.dtype, t.numel()) for t in destinations], chunk_bytes)
+        self._next = 0
         self._staging: torch.Tensor | None = None
         self._current: _Message | None = None
-        # the message being received, when it goes into a lent buffer: (its destination's bytes, the buffer)
+        # the message being received, when it goes into a slot: (its destination's bytes, the slot)
         self.held: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def post(
-        self, group: ProcessGroup | None, lend: Callable[[int], torch.Tensor | None] | None = None
-    ) -> dist.Work | None:
-        """Post the receive of the next message; ``None`` once the stream is complete. ``lend(nbytes)``: a buffer to
-        receive a message of one tensor's bytes into instead of their destination (see :attr:`held`), or ``None``."""
-        self._current = next(self._messages, None)
+    @property
+    def done(self) -> bool:
+        """Whether every message was posted."""
+        return self._next == len(self._messages)
+
+    def upcoming(self) -> torch.Tensor | None:
+        """The destination's bytes of the next message, where it carries one tensor's bytes (which a slot may take
+        instead); ``None`` for a packed message, or at the end."""
+        if self.done or not self._messages[self._next].own:
+            return None
+        index, first, end = self._messages[self._next].pieces[0]
+        return _flat_bytes(self._destinations[index].reshape(-1)[first:end])
+
+    def post(self, group: ProcessGroup | None, slot: torch.Tensor | None = None) -> dist.Work | None:
+        """Post the receive of the next message, into ``slot`` if given (a message of one tensor's bytes, see
+        :attr:`held`); ``None`` once the stream is complete."""
         self.held = None
+        self._current = None if self.done else self._messages[self._next]
         if self._current is None:
             return None
+        self._next += 1
         if self._current.own:
             index, first, end = self._current.pieces[0]
             buffer = _flat_bytes(self._destinations[index].reshape(-1)[first:end])
-            slot = None if lend is None else lend(buffer.numel())
             if slot is not None:
                 self.held = (buffer, slot)
                 buffer = slot[: buffer.numel()]
@@ -339,6 +353,12 @@ class StreamReceiver:
         ]
 
 
+def _overlaps(destination: torch.Tensor, memory: tuple[int, int] | None) -> bool:
+    """Whether the bytes ``destination`` overlap the memory ``[start, stop)`` (addresses)."""
+    start = destination.data_ptr()
+    return memory is not None and start < memory[1] and memory[0] < start + destination.numel()
+
+
 def receive_all(receivers: Sequence[StreamReceiver], group: ProcessGroup | None) -> None:
     """Receive every stream, round-robin with one receive in flight per peer; within :func:`overlapped`, in the
     background, after the streams posted before.
@@ -353,21 +373,14 @@ def receive_all(receivers: Sequence[StreamReceiver], group: ProcessGroup | None)
     _receive(receivers, group)
 
 
-def _receive(
-    receivers: Sequence[StreamReceiver],
-    group: ProcessGroup | None,
-    arrived: Callable[[StreamReceiver], None] | None = None,
-    lend: Callable[[int], torch.Tensor | None] | None = None,
-) -> None:
-    pending = [(receiver, work) for receiver in receivers if (work := receiver.post(group, lend)) is not None]
+def _receive(receivers: Sequence[StreamReceiver], group: ProcessGroup | None) -> None:
+    pending = [(receiver, work) for receiver in receivers if (work := receiver.post(group)) is not None]
     while pending:
         still = []
         for receiver, work in pending:
             work.wait()
             receiver.unpack()
-            if arrived is not None:
-                arrived(receiver)
-            if (work := receiver.post(group, lend)) is not None:
+            if (work := receiver.post(group)) is not None:
                 still.append((receiver, work))
         pending = still
 
@@ -381,6 +394,7 @@ class _Held:
     stop: int
     destination: torch.Tensor
     slot: torch.Tensor
+    peer: int
     taken: int = 0
 
 
@@ -392,17 +406,19 @@ class Overlap:
     so that the recipient of a consolidated save writes block k of the checkpoint while block k + 1 arrives. A sender
     sends its streams from a thread too, so that it tells the recipient what its next gather holds while the bytes of
     the one before still travel: the recipient knows the whole checkpoint, and starts writing it, at once, not once
-    the first object's bytes have arrived (80 ms of a consolidated FSDP2 save of 0.6 GB on 2 ranks). While a
-    saver writes the bytes as they arrive (:meth:`bytes_of`), a message of one tensor's bytes goes into one of
-    :data:`_SLOTS` slots, reused once written, and not into the gather's result, which is then never touched: the
-    recipient's memory grows by the slots, not by what the other ranks send, and no new memory is touched at every
-    save. The thread waits for a free slot only while the saver is writing and waits for nothing itself; else (the
-    saver waits for a message that is still to come, or every byte is wanted in place) it receives into the result,
-    so that the two never wait for each other.
+    the first object's bytes have arrived (80 ms of a consolidated FSDP2 save of 0.6 GB on 2 ranks).
+
+    A message of one tensor's bytes goes into one of :data:`_SLOTS` slots, which the saver writes from
+    (:meth:`bytes_of`) and then frees, and not into the gather's result, which stays untouched: the recipient's
+    memory grows by the slots, not by what the other ranks send (17-42 MB, against 0.15-0.3 GB received, at
+    consolidated saves of 0.6 GB on 2-4 ranks). A message that finds no free slot is posted later, its sender
+    waiting meanwhile, first the one the saver most likely takes next; it goes into the result instead when the
+    saver waits for it, or for a message that is no peer's next (then every peer's next goes there), or takes no
+    more bytes from slots (:meth:`finish`, :meth:`drain`): the thread and the saver never wait for each other.
     """
 
     def __init__(self) -> None:
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ignite_zero-receive")
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ignite_zero-streams")
         self._done: list[concurrent.futures.Future[None]] = []
         self._lock = threading.Condition()
         self._starts: list[int] = []  # memory still to be filled, as sorted, disjoint [start, stop) addresses
@@ -415,10 +431,11 @@ class Overlap:
         self._free: list[torch.Tensor] = []
         self._held: list[_Held] = []  # received into slots, not yet written
         self._written: list[_Held] = []  # handed out whole: their slots are free once the bytes handed out are written
-        self._writing = False  # a saver takes the bytes through bytes_of, and will free the slots
-        self._stalled = False  # the saver waits for bytes: no waiting for a slot
+        self._stall: tuple[int, int] | None = None  # the memory (addresses) whose bytes the saver waits for
+        self._taken = 0  # the end (address) of the memory whose bytes the saver took last
         self._drained = False  # drained: every byte still to come goes in place
         self._handed_out = False  # bytes_of handed out bytes of slots: finish cannot complete the result
+        self._send_failure: BaseException | None = None
 
     def post(self, receivers: Sequence[StreamReceiver], group: ProcessGroup | None) -> None:
         """Receive ``receivers``' streams after those posted before."""
@@ -430,32 +447,95 @@ class Overlap:
         self._done.append(self._worker.submit(self._run, receivers, group))
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, group: ProcessGroup | None, chunk_bytes: int) -> None:
-        """Send a stream after those sent before; a failure is raised when the streams are drained."""
-        self._done.append(self._worker.submit(_send_stream, tensors, peer, group, chunk_bytes))
+        """Send a stream after those sent before, once the work of this thread's CUDA streams that made ``tensors`` is
+        done; a failure is raised when the streams are drained, and no stream is sent after it: the peer would take
+        its messages for those of the stream that failed."""
+        producers = staging.current_streams() if any(t.device.type == "cuda" for t in tensors) else {}
+        self._done.append(self._worker.submit(self._send, tensors, peer, group, chunk_bytes, producers))
+
+    def _send(
+        self,
+        tensors: Sequence[torch.Tensor],
+        peer: int,
+        group: ProcessGroup | None,
+        chunk_bytes: int,
+        producers: staging.Streams,
+    ) -> None:
+        if self._send_failure is not None:
+            raise RuntimeError(f"not sent: an earlier stream to rank {peer} failed") from self._send_failure
+        try:
+            for index, producer in producers.items():
+                torch.cuda.current_stream(index).wait_stream(producer)
+            _send_stream(tensors, peer, group, chunk_bytes)
+        except BaseException as error:
+            self._send_failure = error
+            raise
 
     def _run(self, receivers: Sequence[StreamReceiver], group: ProcessGroup | None) -> None:
         try:
-            _receive(receivers, group, self._arrived, self._lend)
+            self._receive(receivers, group)
         except BaseException as error:
             with self._lock:
                 self._error = self._error or error
                 self._lock.notify_all()
             raise
 
-    def _lend(self, nbytes: int) -> torch.Tensor | None:
-        """A free slot for a message of ``nbytes``, once there is one; ``None``: receive it in place."""
-        if nbytes > _SLOT_BYTES:
-            return None
-        with self._lock:
-            while True:
-                if self._free:
-                    return self._free.pop()
-                if len(self._slots) < _SLOTS:
-                    self._slots.append(torch.empty(_SLOT_BYTES, dtype=torch.uint8))
-                    return self._slots[-1]
-                if not self._writing or self._stalled:
-                    return None
-                self._lock.wait()
+    def _receive(self, receivers: Sequence[StreamReceiver], group: ProcessGroup | None) -> None:
+        """Receive every stream, one message in flight per peer as :func:`receive_all`, each message of one tensor's
+        bytes into a slot: one that finds none free is posted later (its sender waits meanwhile), unless the saver
+        waits for it, or takes no bytes from slots."""
+        pending: list[tuple[StreamReceiver, dist.Work]] = []
+        idle = [receiver for receiver in receivers if not receiver.done]  # next message not posted yet
+        while pending or idle:
+            with self._lock:
+                posts = self._placements(idle, bool(pending))
+                while not posts and not pending:
+                    self._lock.wait()
+                    posts = self._placements(idle, False)
+            for receiver, slot in posts:
+                idle.remove(receiver)
+                pending.append((receiver, cast(dist.Work, receiver.post(group, slot))))
+            if not pending:
+                continue
+            receiver, work = pending.pop(0)
+            work.wait()
+            receiver.unpack()
+            self._arrived(receiver)
+            if not receiver.done:
+                idle.append(receiver)
+
+    def _placements(
+        self, idle: list[StreamReceiver], receiving: bool
+    ) -> list[tuple[StreamReceiver, torch.Tensor | None]]:
+        """Which of the receivers ``idle`` post their next message now, each into a slot or in place (``None``);
+        under the lock. Free slots go first to the message that fills the memory nearest after what the saver took
+        last, which it most likely takes next: the rest of a peer's flat buffer in a ZeRO gather, the next peer's
+        rows of an FSDP tensor."""
+        posts: list[tuple[StreamReceiver, torch.Tensor | None]] = []
+        # what the saver waits for, unless it arrived meanwhile (the saver is woken, but may not have run yet)
+        stall = self._stall if self._stall is not None and self._pending(*self._stall) else None
+        for receiver in sorted(idle, key=self._nearness):
+            destination = receiver.upcoming()
+            if destination is None or destination.numel() > _SLOT_BYTES:  # packed, or too big for a slot
+                posts.append((receiver, None))
+            elif self._free or len(self._slots) < _SLOTS:
+                if not self._free:
+                    self._free.append(torch.empty(_SLOT_BYTES, dtype=torch.uint8))
+                    self._slots.append(self._free[-1])
+                posts.append((receiver, self._free.pop()))
+            elif self._drained or _overlaps(destination, stall):
+                posts.append((receiver, None))  # no saver to free a slot, or it waits for this very message
+        if not posts and not receiving and stall is not None:
+            # the saver waits for a message that is no peer's next: receive on in place rather than wait for it
+            posts = [(receiver, None) for receiver in idle]
+        return posts
+
+    def _nearness(self, receiver: StreamReceiver) -> tuple[int, int]:
+        """How soon the saver takes ``receiver``'s next message, most likely; before it takes any bytes, all alike:
+        the peers in turn, as their gathers came (peer by peer in a ZeRO gather, row block by row block in FSDP's)."""
+        destination = receiver.upcoming()
+        distance = -1 if destination is None or not self._taken else destination.data_ptr() - self._taken
+        return (0, distance) if distance >= 0 else (1, 0)
 
     def _arrived(self, receiver: StreamReceiver) -> None:
         with self._lock:
@@ -464,7 +544,7 @@ class Overlap:
             if receiver.held is not None:
                 destination, slot = receiver.held
                 start = destination.data_ptr()
-                self._held.append(_Held(start, start + destination.numel(), destination, slot))
+                self._held.append(_Held(start, start + destination.numel(), destination, slot, receiver.peer))
             self._lock.notify_all()
 
     def _cut(self, start: int, stop: int) -> None:
@@ -503,7 +583,6 @@ class Overlap:
         The views returned stay valid until the next call: the caller writes them before it asks for more.
         """
         with self._lock:
-            self._writing = not self._drained
             if self._written:  # the bytes handed out last time are written: their slots take new messages
                 self._free += [held.slot for held in self._written]
                 self._written.clear()
@@ -525,12 +604,13 @@ class Overlap:
             position = end
         if position < stop:
             parts += self._received(position, stop, start, piece)
+        self._taken = stop
         return parts
 
     def _received(self, first: int, last: int, start: int, piece: memoryview) -> list[memoryview]:
         """The received bytes of the memory ``[first, last)`` within ``piece`` (which starts at ``start``), once
         they have all arrived: from the slots that hold them, elsewhere from ``piece`` itself."""
-        self.wait_for(first, last)
+        self._await(first, last)
         parts: list[memoryview] = []
         with self._lock:
             for held in sorted((h for h in self._held if h.start < last and first < h.stop), key=lambda h: h.start):
@@ -549,17 +629,28 @@ class Overlap:
         return parts
 
     def wait_for(self, start: int, stop: int) -> None:
-        """Return once the memory ``[start, stop)`` (addresses) holds every byte it receives, in place or in a slot.
+        """Return once the memory ``[start, stop)`` (addresses) of the gather's result holds every byte it receives
+        (those waiting in slots are copied there).
 
         Raises:
             RuntimeError: receiving failed (a peer died, say); the cause is chained.
         """
+        self._await(start, stop)
+        with self._lock:
+            for held in [h for h in self._held if h.start < stop and start < h.stop]:
+                held.destination.copy_(held.slot[: held.destination.numel()])
+                self._held.remove(held)
+                self._free.append(held.slot)
+            self._lock.notify_all()
+
+    def _await(self, start: int, stop: int) -> None:
+        """Return once every byte that the memory ``[start, stop)`` receives has arrived, in place or in a slot."""
         with self._lock:
             while self._error is None and self._pending(start, stop):
-                self._stalled = True  # what is to come next goes in place: the slots may hold later messages
+                self._stall = (start, stop)  # its message goes in place if no slot is free
                 self._lock.notify_all()
                 self._lock.wait()
-            self._stalled = False
+            self._stall = None
             if self._error is not None:
                 raise RuntimeError(f"receiving the state of other ranks failed: {self._error}") from self._error
 
@@ -586,9 +677,9 @@ class Overlap:
         self._held.clear()
 
     def drain(self) -> None:
-        """Wait until every stream is received, so that no sender is left waiting; raise the first failure."""
+        """Wait until every stream is sent and received, so that no peer is left waiting; raise the first failure."""
         with self._lock:
-            self._drained, self._writing = True, False  # no writer is to free a slot any more: receive in place
+            self._drained = True  # no saver is to free a slot any more: receive in place
             self._lock.notify_all()
         try:
             for done in self._done:

@@ -103,18 +103,19 @@ def _written(overlap, tensor, slice_bytes=256 << 10):
 
 
 def _received_through_slots(rank, world_size, order):
-    expected = _sent()
+    """Ranks 1.. each send the tensors of :func:`_sent`, rank 0 takes their bytes as a saver does, in ``order``."""
+    expected = [tensor for _ in range(1, world_size) for tensor in _sent()]
     with transport.overlapped() as overlap:
-        if rank == 1:
-            transport.send_to(expected, 0)  # in the background: the block ends at once, leaving waits for it
+        if rank:
+            transport.gather_to(_sent(), 0)  # in the background: the block ends at once, leaving waits for it
             return None
-        received = transport.receive_from(1)
+        received = [tensor for sent in transport.gather_to(None, 0)[1:] for tensor in sent]
         if order == "finished":  # a saver that takes every byte from the result: the slots' messages copied there
             overlap.finish()
             assert_state_equal(received, expected)
             return len(overlap._slots)
-        indices = {"in order": range(8), "last first": reversed(range(8)), "half": range(4)}[order]
-        for index in indices:
+        indices = {"in order": range(len(received)), "last first": reversed(range(len(received))), "half": range(4)}
+        for index in indices[order]:
             assert _written(overlap, received[index]) == expected[index].numpy().tobytes(), index
         if order == "half":  # bytes handed out of slots are no longer in them: the result cannot be completed
             with pytest.raises(RuntimeError, match="handed out"):
@@ -122,12 +123,13 @@ def _received_through_slots(rank, world_size, order):
         return len(overlap._slots)
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("order", ["in order", "last first", "finished", "half"])
-def test_received_bytes_wait_in_a_few_slots_and_never_in_a_deadlock(order):
-    slots = run_ranks(_received_through_slots, 2, order)[0]
-    # 16 messages of 1 MiB went through at most 4 slots, reused; a saver that wants the last message first, or
-    # that takes no bytes or stops taking them, has the rest received in place instead of waiting for slots that it
-    # would free later (the sender is never left waiting: leaving the block waits for every stream)
+def test_received_bytes_wait_in_a_few_slots_and_never_in_a_deadlock(order, world_size):
+    slots = run_ranks(_received_through_slots, world_size, order)[0]
+    # 16 messages of 1 MiB a sender went through at most 4 slots, reused; a saver that wants the last message first,
+    # or that takes no bytes or stops taking them, has the rest received in place instead of waiting for slots that
+    # it would free later (no sender is left waiting: leaving the block waits for every stream)
     assert 1 <= slots <= transport._SLOTS
 
 

@@ -269,7 +269,8 @@ def gather_pieces(
     Every rank sends ``dst`` the description of its pieces (no data); ``dst`` allocates each full tensor once
     on the CPU, picks one source per block (its own pieces first, so NO_SHARD parameters, buffers and ``step``
     values never travel; one replica of each block), tells each rank what to send, and receives every block
-    straight into place, run by run where a block is not contiguous in the full tensor (see :meth:`Box.blocks`).
+    straight into place, run by run where a block is not contiguous in the full tensor (see :meth:`Box.blocks`);
+    within a consolidated save, into slots that the saver writes from (:class:`ignite_zero.transport.Overlap`).
     Senders send views of what they hold: their extra memory is the staging buffer only.
 
     Returns:
