@@ -24,7 +24,7 @@ assemble full tensors from the regions that ranks hold (FSDP shards). The gloo g
 
 Within :func:`overlapped` (a consolidated save), every rank sends or receives the streams of its gathers in the
 background, one after the other in a thread of its own, and the gathers return at once: the saver writes the
-checkpoint while its bytes arrive, waiting (:meth:`Overlap.wait_for`) only for the bytes it is about to write, and
+checkpoint while its bytes arrive, waiting (:meth:`Overlap.bytes_of`) only for the bytes it is about to write, and
 the received bytes wait for it in a few slots reused from message to message, not in the gather's result. Headers and
 streams travel under different tags, so the headers of the next gather, sent and received in the caller's thread,
 never take the place of a stream's message.
@@ -409,12 +409,13 @@ class Overlap:
     the first object's bytes have arrived (80 ms of a consolidated FSDP2 save of 0.6 GB on 2 ranks).
 
     A message of one tensor's bytes goes into one of :data:`_SLOTS` slots, which the saver writes from
-    (:meth:`bytes_of`) and then frees, and not into the gather's result, which stays untouched: the recipient's
-    memory grows by the slots, not by what the other ranks send (17-42 MB, against 0.15-0.3 GB received, at
-    consolidated saves of 0.6 GB on 2-4 ranks). A message that finds no free slot is posted later, its sender
-    waiting meanwhile, first the one the saver most likely takes next; it goes into the result instead when the
-    saver waits for it, or for a message that is no peer's next (then every peer's next goes there), or takes no
-    more bytes from slots (:meth:`finish`, :meth:`drain`): the thread and the saver never wait for each other.
+    (:meth:`bytes_of`) and then frees, and not into the gather's result, which is not written but for packed messages
+    and the few below: the recipient's memory grows by the slots, not by what the other ranks send (17-42 MB, against
+    0.15-0.3 GB received, at consolidated saves of 0.6 GB on 2-4 ranks). A message that finds no free slot is posted
+    later, its sender waiting meanwhile, first the one the saver most likely takes next; it goes into the result
+    instead when the saver waits for it, or, with nothing in flight, for a message that is no peer's next (then every
+    peer's next goes there), or takes no more bytes from slots (:meth:`finish`, :meth:`drain`): the thread and the
+    saver never wait for each other.
     """
 
     def __init__(self) -> None:
@@ -436,6 +437,7 @@ class Overlap:
         self._drained = False  # drained: every byte still to come goes in place
         self._handed_out = False  # bytes_of handed out bytes of slots: finish cannot complete the result
         self._send_failure: BaseException | None = None
+        self._lost: set[int] = set()  # peers whose streams failed
 
     def post(self, receivers: Sequence[StreamReceiver], group: ProcessGroup | None) -> None:
         """Receive ``receivers``' streams after those posted before."""
@@ -473,19 +475,23 @@ class Overlap:
 
     def _run(self, receivers: Sequence[StreamReceiver], group: ProcessGroup | None) -> None:
         try:
-            self._receive(receivers, group)
-        except BaseException as error:
-            with self._lock:
-                self._error = self._error or error
-                self._lock.notify_all()
+            failure = self._receive(receivers, group)
+        except BaseException as error:  # here, not a peer's (no memory for a slot, say): its streams are given up
+            for receiver in receivers:
+                self._lose(receiver.peer, error)
             raise
+        if failure is not None:
+            raise failure
 
-    def _receive(self, receivers: Sequence[StreamReceiver], group: ProcessGroup | None) -> None:
+    def _receive(self, receivers: Sequence[StreamReceiver], group: ProcessGroup | None) -> BaseException | None:
         """Receive every stream, one message in flight per peer as :func:`receive_all`, each message of one tensor's
         bytes into a slot: one that finds none free is posted later (its sender waits meanwhile), unless the saver
-        waits for it, or takes no bytes from slots."""
+        waits for it, or takes no bytes from slots. Return the first failure: a peer that fails (dies) is given up,
+        here and in the streams received after, but the others' messages are all received, so that no living sender
+        is left waiting, and no later stream takes a message of this one."""
+        failure = None
         pending: list[tuple[StreamReceiver, dist.Work]] = []
-        idle = [receiver for receiver in receivers if not receiver.done]  # next message not posted yet
+        idle = [r for r in receivers if not r.done and r.peer not in self._lost]  # next message not posted yet
         while pending or idle:
             with self._lock:
                 posts = self._placements(idle, bool(pending))
@@ -494,15 +500,32 @@ class Overlap:
                     posts = self._placements(idle, False)
             for receiver, slot in posts:
                 idle.remove(receiver)
-                pending.append((receiver, cast(dist.Work, receiver.post(group, slot))))
+                try:
+                    pending.append((receiver, cast(dist.Work, receiver.post(group, slot))))
+                except Exception as error:
+                    failure = failure or self._lose(receiver.peer, error)
             if not pending:
                 continue
             receiver, work = pending.pop(0)
-            work.wait()
-            receiver.unpack()
+            try:
+                work.wait()
+                receiver.unpack()
+            except Exception as error:
+                failure = failure or self._lose(receiver.peer, error)
+                continue
             self._arrived(receiver)
             if not receiver.done:
                 idle.append(receiver)
+        return failure
+
+    def _lose(self, peer: int, error: BaseException) -> BaseException:
+        """Give up on ``peer``, which failed with ``error``: the saver learns it at once, and what is still to come
+        goes in place."""
+        with self._lock:
+            self._lost.add(peer)
+            self._error = self._error or error
+            self._lock.notify_all()
+        return error
 
     def _placements(
         self, idle: list[StreamReceiver], receiving: bool
@@ -523,7 +546,7 @@ class Overlap:
                     self._free.append(torch.empty(_SLOT_BYTES, dtype=torch.uint8))
                     self._slots.append(self._free[-1])
                 posts.append((receiver, self._free.pop()))
-            elif self._drained or _overlaps(destination, stall):
+            elif self._drained or self._error is not None or _overlaps(destination, stall):
                 posts.append((receiver, None))  # no saver to free a slot, or it waits for this very message
         if not posts and not receiving and stall is not None:
             # the saver waits for a message that is no peer's next: receive on in place rather than wait for it
@@ -635,6 +658,11 @@ class Overlap:
         Raises:
             RuntimeError: receiving failed (a peer died, say); the cause is chained.
         """
+        if self._handed_out:
+            raise RuntimeError(
+                "wait_for after bytes_of: bytes handed out of slots are no longer there to copy into the gather's "
+                "result. Take every byte through bytes_of, or none."
+            )
         self._await(start, stop)
         with self._lock:
             for held in [h for h in self._held if h.start < stop and start < h.stop]:
@@ -646,11 +674,13 @@ class Overlap:
     def _await(self, start: int, stop: int) -> None:
         """Return once every byte that the memory ``[start, stop)`` receives has arrived, in place or in a slot."""
         with self._lock:
-            while self._error is None and self._pending(start, stop):
-                self._stall = (start, stop)  # its message goes in place if no slot is free
-                self._lock.notify_all()
-                self._lock.wait()
-            self._stall = None
+            try:
+                while self._error is None and self._pending(start, stop):
+                    self._stall = (start, stop)  # its message goes in place if no slot is free
+                    self._lock.notify_all()
+                    self._lock.wait()
+            finally:
+                self._stall = None
             if self._error is not None:
                 raise RuntimeError(f"receiving the state of other ranks failed: {self._error}") from self._error
 

@@ -3,6 +3,9 @@
 A load reads it back into the tensors it restores.
 """
 
+import os
+import signal
+import time
 import zipfile
 
 import pytest
@@ -131,6 +134,37 @@ def test_received_bytes_wait_in_a_few_slots_and_never_in_a_deadlock(order, world
     # or that takes no bytes or stops taking them, has the rest received in place instead of waiting for slots that
     # it would free later (no sender is left waiting: leaving the block waits for every stream)
     assert 1 <= slots <= transport._SLOTS
+
+
+def _a_sender_dies_between_two_gathers(rank, world_size):
+    """Two gathers in one block, as a model's and an optimizer's: rank 2 dies while its first stream travels."""
+
+    def gathers():
+        first = transport.gather_to(_sent(), 0)  # 16 messages of 1 MiB a sender
+        transport.gather_to([torch.full((3 * 2**16,), float(rank))], 0)  # one packed message
+        return first
+
+    if rank:
+        with transport.overlapped():
+            gathers()
+            if rank == 2:
+                time.sleep(0.5)  # its first messages taken into slots
+                os.kill(os.getpid(), signal.SIGKILL)
+        return "sent"  # leaving the block waited until the recipient took both streams
+    with pytest.raises(RuntimeError, match="receiving the state of other ranks failed"):
+        with transport.overlapped() as overlap:
+            first = gathers()
+            time.sleep(1.5)  # the slots fill, rank 2 dies meanwhile
+            for peer in (2, 1):
+                _written(overlap, torch.empty(0, dtype=torch.uint8).set_(first[peer][0].untyped_storage()))
+    return "raised"
+
+
+def test_a_sender_that_dies_fails_the_gather_and_leaves_no_living_sender_waiting():
+    # the recipient raises, its process alive; the living sender's streams are all taken, its second one too, and
+    # no message of the first stream is taken for one of the second (gloo would abort the recipient on a size
+    # mismatch)
+    assert run_ranks(_a_sender_dies_between_two_gathers, 3, killed=[2], timeout=60)[:2] == ["raised", "sent"]
 
 
 def _load_in_place(rank, world_size, tmp_path):
