@@ -394,7 +394,6 @@ class _Held:
     stop: int
     destination: torch.Tensor
     slot: torch.Tensor
-    peer: int
     taken: int = 0
 
 
@@ -567,7 +566,7 @@ class Overlap:
             if receiver.held is not None:
                 destination, slot = receiver.held
                 start = destination.data_ptr()
-                self._held.append(_Held(start, start + destination.numel(), destination, slot, receiver.peer))
+                self._held.append(_Held(start, start + destination.numel(), destination, slot))
             self._lock.notify_all()
 
     def _cut(self, start: int, stop: int) -> None:
