@@ -216,6 +216,11 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
+def _memory(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(cast(Any, t.numpy())).cast("B")
+
+
 def _is_direct(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
 
@@ -385,16 +390,27 @@ def _receive(receivers: Sequence[StreamReceiver], group: ProcessGroup | None) ->
         pending = still
 
 
-@dataclass
+@dataclass(eq=False)  # each is itself: removed from lists by identity, never by comparing tensors
 class _Held:
-    """A received message kept in a slot until the saver has written it: the memory ``[start, stop)`` (addresses) of
-    the gather's result that it is for, that memory itself, the slot, and how many of its bytes were handed out."""
+    """A received message kept in a slot until the saver has written it: the bytes of the gather's result that it is
+    for, the slot, and how many of its bytes were handed out."""
 
-    start: int
-    stop: int
     destination: torch.Tensor
     slot: torch.Tensor
     taken: int = 0
+
+    @property
+    def start(self) -> int:
+        """The address of the memory it is for."""
+        return self.destination.data_ptr()
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.destination.numel()
+
+    def put_in_place(self) -> None:
+        """Copy the message from its slot into the gather's result."""
+        self.destination.copy_(self.slot[: self.destination.numel()])
 
 
 class Overlap:
@@ -564,9 +580,7 @@ class Overlap:
             for start, stop in receiver.ranges():
                 self._cut(start, stop)
             if receiver.held is not None:
-                destination, slot = receiver.held
-                start = destination.data_ptr()
-                self._held.append(_Held(start, start + destination.numel(), destination, slot))
+                self._held.append(_Held(*receiver.held))
             self._lock.notify_all()
 
     def _cut(self, start: int, stop: int) -> None:
@@ -591,7 +605,7 @@ class Overlap:
         takes them from ``source`` itself (:meth:`bytes_of`), and :meth:`finish` copies them for any other. Both are
         single runs of CPU memory of the same size, and ``source`` stays as it is until then."""
         start = target.data_ptr()
-        view = memoryview(cast(Any, _flat_bytes(source).numpy())).cast("B")
+        view = _memory(_flat_bytes(source))
         index = bisect.bisect(self._fill_starts, start)
         self._fill_starts.insert(index, start)
         self._fills.insert(index, (start, start + view.nbytes, view))
@@ -639,7 +653,7 @@ class Overlap:
                 low, high = max(first, held.start), min(last, held.stop)
                 if first < low:
                     parts.append(piece[first - start : low - start])
-                parts.append(memoryview(cast(Any, held.slot.numpy())).cast("B")[low - held.start : high - held.start])
+                parts.append(_memory(held.slot)[low - held.start : high - held.start])
                 held.taken += high - low
                 self._handed_out = True
                 if held.taken == held.stop - held.start:
@@ -657,18 +671,21 @@ class Overlap:
         Raises:
             RuntimeError: receiving failed (a peer died, say); the cause is chained.
         """
-        if self._handed_out:
-            raise RuntimeError(
-                "wait_for after bytes_of: bytes handed out of slots are no longer there to copy into the gather's "
-                "result. Take every byte through bytes_of, or none."
-            )
+        self._refuse_after_bytes_of("wait_for")
         self._await(start, stop)
         with self._lock:
             for held in [h for h in self._held if h.start < stop and start < h.stop]:
-                held.destination.copy_(held.slot[: held.destination.numel()])
+                held.put_in_place()
                 self._held.remove(held)
                 self._free.append(held.slot)
             self._lock.notify_all()
+
+    def _refuse_after_bytes_of(self, name: str) -> None:
+        if self._handed_out:
+            raise RuntimeError(
+                f"{name} after bytes_of: bytes handed out of slots are no longer there to copy into the gather's "
+                "result, which cannot be completed. Take every byte through bytes_of, or none."
+            )
 
     def _await(self, start: int, stop: int) -> None:
         """Return once every byte that the memory ``[start, stop)`` receives has arrived, in place or in a slot."""
@@ -691,15 +708,11 @@ class Overlap:
             RuntimeError: :meth:`bytes_of` handed out bytes of slots, which are no longer there to copy.
         """
         self.drain()
-        if self._handed_out:
-            raise RuntimeError(
-                "The gather's result cannot be completed: bytes received into slots were handed out by bytes_of "
-                "and not kept. Take every byte through bytes_of, or none."
-            )
+        self._refuse_after_bytes_of("finish")
         for target, source in self._copies:
             target.copy_(source)
         for held in self._held:
-            held.destination.copy_(held.slot[: held.destination.numel()])
+            held.put_in_place()
         self._copies.clear()
         self._fills.clear()
         self._fill_starts.clear()

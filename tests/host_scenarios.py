@@ -346,6 +346,10 @@ def shrunk(workdir: Path, node_local: Path) -> dict[str, Any]:
     return seen
 
 
+# the scenarios in which the test kills the second host
+_HOST_LOST = ("host_lost", "host_lost_mid_write", "grown")
+
+
 def _run(local_rank: int, scenario: str, workdir: Path, node_local: Path) -> None:
     rank = idist.get_rank()
     try:
@@ -353,11 +357,7 @@ def _run(local_rank: int, scenario: str, workdir: Path, node_local: Path) -> Non
     except BaseException:
         outcome = (False, traceback.format_exc())
     (workdir / f"result-{rank}.pkl").write_bytes(pickle.dumps(outcome))
-    if scenario in (
-        "host_lost",
-        "host_lost_mid_write",
-        "grown",
-    ):  # the other host is gone: leave at once rather than wait for it at the exit
+    if scenario in _HOST_LOST:  # the other host is gone: leave at once rather than wait for it at the exit
         sys.stdout.flush()
         os._exit(0)
 
