@@ -116,7 +116,7 @@ def test_reads_are_checked_by_whole_records_and_by_blocks_for_parts():
         part = checks.spans(big, size, big + 300_000, big + 400_000)
         if has_blocks:  # the blocks holding the part, each with the CRC-32 of its bytes
             assert part[0][0] <= big + 300_000 < part[0][0] + (64 << 10) and part[-1][1] >= big + 400_000
-            assert all(crc == zlib.crc32(data[start:stop]) for start, stop, crc, _ in part)
+            assert all(span.crc32 == zlib.crc32(data[span.start : span.stop]) and span.block for span in part)
         else:  # a file of another tool: the whole record
             assert part == [whole]
         with pytest.raises(integrity.IntegrityError, match="no record of 5 bytes"):
@@ -142,3 +142,40 @@ def test_a_trailer_without_blocks_is_verified_record_by_record(tmp_path, monkeyp
     path.write_bytes(bytes(data))
     with pytest.raises(integrity.IntegrityError, match=r"record '.*data/0' is corrupt"):
         integrity.verify_file(path)
+
+
+class _ShortReads(io.BytesIO):
+    """A file that hands out at most 1,000 bytes a read, as a stream from an object store may."""
+
+    def readinto(self, target):
+        view = memoryview(target).cast("B")
+        return super().readinto(view[:1000])
+
+
+def test_parts_of_a_record_are_read_whole_and_checked_through_short_reads():
+    weight = torch.randn(200_000, generator=torch.Generator().manual_seed(3))  # 781 KiB: blocks of 64 KiB
+    data = _sealed({"weight": weight})
+    meta = torch.load(io.BytesIO(data), map_location="meta", weights_only=True)["weight"]
+    record = _compat.storage_offset_in_file(meta.untyped_storage())
+    size = weight.nbytes
+    expected = memoryview(weight.numpy()).cast("B")
+    for first, last in ((0, size), (4, 300_004), (65_536 * 3, 65_536 * 5), (size - 12, size)):
+        out = bytearray(last - first)
+        f = _ShortReads(data)
+        integrity._read_into(
+            f, integrity.ReadChecks("file", f), record, size, record + first, record + last, memoryview(out)
+        )
+        assert out == expected[first:last]
+    truncated = _ShortReads(data[: record + 200_000])  # the file ends inside the fourth block of the record
+    checks = integrity.ReadChecks("file", _ShortReads(data))
+    with pytest.raises(integrity.IntegrityError, match=r"ends inside the block \[\d+, \d+\) of record '.*data/0'"):
+        integrity._read_into(
+            truncated, checks, record, size, record + 100_000, record + 300_000, memoryview(bytearray(200_000))
+        )
+    corrupt = bytearray(data)
+    corrupt[record + 250_000] ^= 0x01
+    with pytest.raises(integrity.IntegrityError, match=r"the block \[\d+, \d+\) of record '.*data/0' is corrupt"):
+        f = _ShortReads(bytes(corrupt))
+        integrity._read_into(
+            f, checks, record, size, record + 100_000, record + 300_000, memoryview(bytearray(200_000))
+        )

@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Protocol, cast
+from typing import IO, Any, NamedTuple, Protocol, cast
 
 import torch
 from zlib_ng import zlib_ng
@@ -61,6 +61,7 @@ __all__ = [
     "IntegrityError",
     "ReadChecks",
     "SealingStream",
+    "Span",
     "Stored",
     "is_legacy_format",
     "read_trailer",
@@ -426,23 +427,42 @@ class ReadChecks:
         self._records = [(info.filename, info.CRC, info.file_size) for info in infos]
         self.blocks = None if trailer is None else Blocks.from_json(trailer.get("blocks"))
 
-    def spans(self, record: int, size: int, start: int, stop: int) -> list[tuple[int, int, int, str]]:
-        """``(start, stop, crc32, what)`` of each span of the file to read whole to check the bytes ``[start, stop)``
-        of the record whose data lies at ``[record, record + size)``: contiguous, in order."""
+    def spans(self, record: int, size: int, start: int, stop: int) -> list[Span]:
+        """Each span of the file to read whole to check the bytes ``[start, stop)`` of the record whose data lies at
+        ``[record, record + size)``: contiguous, in order."""
         index = bisect.bisect_right(self._starts, record) - 1
         if index < 0 or self._records[index][2] != size:
             raise IntegrityError(f"{self._source}: no record of {size} bytes holds the data at offset {record}")
         name, crc, _ = self._records[index]
         whole = (start, stop) == (record, record + size)
         if whole or self.blocks is None or size <= self.blocks.size:
-            return [(record, record + size, crc, f"record {name!r}")]
-        blocks = self.blocks.covering(start, stop)
-        return [(a, b, block_crc, f"the block [{a}, {b}) of record {name!r}") for a, b, block_crc in blocks]
+            return [Span(record, record + size, crc, name, False)]
+        return [Span(a, b, block_crc, name, True) for a, b, block_crc in self.blocks.covering(start, stop)]
 
-    def check(self, crc: int, expected: int, what: str) -> None:
+    def check(self, crc: int, span: Span) -> None:
         """Raise :class:`IntegrityError` unless a span's bytes have the CRC-32 expected."""
-        if crc != expected:
-            raise IntegrityError(f"{self._source}: {what} is corrupt (CRC-32 {crc:#010x}, {expected:#010x} expected)")
+        if crc != span.crc32:
+            raise IntegrityError(
+                f"{self._source}: {span.what} is corrupt (CRC-32 {crc:#010x}, {span.crc32:#010x} expected)"
+            )
+
+
+class Span(NamedTuple):
+    """The bytes ``[start, stop)`` of a file, read whole to be checked against their CRC-32: a whole record, or one
+    of its blocks (:class:`Blocks`)."""
+
+    start: int
+    stop: int
+    crc32: int
+    record: str
+    block: bool
+
+    @property
+    def what(self) -> str:
+        """The span, for messages: made only for them (a load of 0.3 GB reads 2,400 blocks)."""
+        if self.block:
+            return f"the block [{self.start}, {self.stop}) of record {self.record!r}"
+        return f"record {self.record!r}"
 
 
 def _central_directory(f: IO[bytes], end: int, comment_length: int) -> tuple[int, int]:
@@ -813,57 +833,59 @@ def _read_into(
     byte arrives.
 
     Spans are read in pieces of at most :data:`_READ_PIECE`, each summed right after it is read, while it is still
-    in the CPU's cache: no second pass over memory; pieces within ``[start, stop)`` go straight into ``out``. A small
+    in the CPU's cache: no second pass over memory; pieces within ``[start, stop)`` go straight into ``out``, a block
+    inside in one read, with no more Python than the read and its sum (2,400 blocks a load of 0.3 GB). A small
     span that reaches beyond (a block at either end) is read whole into a buffer of its own, checked, and its part
     copied; ``last`` keeps the latest such span, for the next read of neighbouring bytes (views of one record read one
     after the other: a ZeRO partition) to take it without reading it again.
     """
     if stop == start:
         return
+    readinto = cast(Any, f).readinto
     position = -1
-    for span_start, span_stop, expected, what in checks.spans(record, size, start, stop):  # contiguous
-        inside = start <= span_start and span_stop <= stop
-        if not inside and last is not None and (last.start, len(last.data)) == (span_start, span_stop - span_start):
+    for span in checks.spans(record, size, start, stop):  # contiguous
+        inside = start <= span.start and span.stop <= stop
+        if inside and span.stop - span.start <= _READ_PIECE:  # most blocks of a part: one read, summed in cache
+            if position != span.start:
+                f.seek(span.start)
+            position = span.stop
+            piece = out[span.start - start : span.stop - start]
+            got = readinto(piece) or 0
+            if got < len(piece):  # a short read: more follows, or the file ends early
+                _fill(f, piece[got:], span.what)
+            checks.check(zlib_ng.crc32(piece), span)
+            continue
+        if not inside and last is not None and (last.start, len(last.data)) == (span.start, span.stop - span.start):
             data = last.data  # checked when it was read
         else:
-            if position != span_start:
-                f.seek(span_start)
-            position = span_stop
-            if inside or span_stop - span_start > _READ_PIECE:  # pieces inside go straight to `out`
-                _read_span(f, out, start, stop, span_start, span_stop, expected, what, checks)
+            if position != span.start:
+                f.seek(span.start)
+            position = span.stop
+            if inside or span.stop - span.start > _READ_PIECE:  # pieces inside go straight to `out`
+                _read_span(f, out, start, stop, span, checks)
                 continue
-            data = memoryview(bytearray(span_stop - span_start))
-            _fill(f, data, what)
-            checks.check(crc32(data), expected, what)
-        low, high = max(start, span_start), min(stop, span_stop)  # an edge: its part of [start, stop) copied
-        out[low - start : high - start] = data[low - span_start : high - span_start]
+            data = memoryview(bytearray(span.stop - span.start))
+            _fill(f, data, span.what)
+            checks.check(crc32(data), span)
+        low, high = max(start, span.start), min(stop, span.stop)  # an edge: its part of [start, stop) copied
+        out[low - start : high - start] = data[low - span.start : high - span.start]
         if last is not None:
-            last.start, last.data = span_start, data
+            last.start, last.data = span.start, data
 
 
-def _read_span(
-    f: IO[bytes],
-    out: memoryview,
-    start: int,
-    stop: int,
-    span_start: int,
-    span_stop: int,
-    expected: int,
-    what: str,
-    checks: ReadChecks,
-) -> None:
+def _read_span(f: IO[bytes], out: memoryview, start: int, stop: int, span: Span, checks: ReadChecks) -> None:
     """Read a checked span in pieces, those within ``[start, stop)`` straight into ``out``, the others into a buffer
     of their size, for their CRC-32 alone."""
-    crc, position = 0, span_start
-    while position < span_stop:
-        end = min(span_stop, position + _READ_PIECE)
+    crc, position = 0, span.start
+    while position < span.stop:
+        end = min(span.stop, position + _READ_PIECE)
         end = min(end, start) if position < start else min(end, stop) if position < stop else end
         inside = start <= position < stop
         target = out[position - start : end - start] if inside else memoryview(bytearray(end - position))
-        _fill(f, target, what)
+        _fill(f, target, span.what)
         crc = crc32(target, crc)
         position = end
-    checks.check(crc, expected, what)
+    checks.check(crc, span)
 
 
 @dataclass
