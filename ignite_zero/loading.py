@@ -26,6 +26,7 @@ new memory, checked, before anything is loaded: a corrupt record changes nothing
 
 from __future__ import annotations
 
+import functools
 import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -88,9 +89,8 @@ def _restore(
     if not _collective(objects):
         local = entries_of(objects, checkpoint) if reader is None else _verified(reader).entries(objects, weights_only)
         # read whole into new tensors, each checked, before anything changes: a corrupt record changes nothing
-        local = _for_plain_optimizers(objects, deferred.realize_all(local))
-        _pair(objects, local, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
-        _pair(objects, local, lambda path, obj, entry: _load_entry(obj, entry, kwargs))
+        for load in _prepare(objects, _for_plain_optimizers(objects, deferred.realize_all(local)), kwargs):
+            load()
         return
 
     parts = tree.map_tree(lambda _, obj: obj.part_needed() if isinstance(obj, ShardedState) else None, objects)
@@ -107,6 +107,7 @@ def _restore(
     _check_seers(checkpoint, reader, reports, seers)
 
     entries: Any = None
+    loads: list[Callable[[], None]] = []
     failure = None
     try:
         if reader is None:
@@ -119,14 +120,15 @@ def _restore(
                 reader.verify(whole=False)
             entries = reader.entries(objects, weights_only, into_objects=True)
         entries = _for_plain_optimizers(objects, _distribute(entries, [need for _, _, need, _ in reports], seers))
-        _pair(objects, entries, lambda path, obj, entry: _check_entry(path, obj, entry, kwargs))
+        loads = _prepare(objects, entries, kwargs)
     except Exception as error:
         failure = error
     settle(failure, what="checkpoint load (reading and checking)", timeout=sync_timeout)
 
     failure = None
     try:
-        _pair(objects, entries, lambda path, obj, entry: _load_entry(obj, entry, kwargs))
+        for load in loads:
+            load()
     except Exception as error:
         failure = error
     settle(failure, what="checkpoint load (restoring objects)", timeout=sync_timeout)
@@ -215,6 +217,23 @@ def _for_plain_optimizers(objects: Any, entries: Any) -> Any:
     return _pair(objects, entries, lambda path, obj, entry: in_loadable_form(path, obj, entry, models))
 
 
+def _prepare(objects: Any, entries: Any, kwargs: Mapping) -> list[Callable[[], None]]:
+    """Check every object's entry, changing nothing, and return what loads each, in order: an entry that would not
+    load is refused before any object changes."""
+    loads: list[Callable[[], None]] = []
+
+    def prepare(path: str, obj: Any, entry: Any) -> None:
+        if isinstance(obj, ShardedState) and obj.loads_deferred and not isinstance(entry, Filled):
+            # reads its parts of the entry's tensors as it loads them, as its check planned
+            loads.append(obj.prepare_load(entry, **_module_kwargs(obj, kwargs)))
+            return
+        _check_entry(path, obj, entry, kwargs)
+        loads.append(functools.partial(_load_entry, obj, entry, kwargs))
+
+    _pair(objects, entries, prepare)
+    return loads
+
+
 def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:
     """Refuse, before anything is loaded, an entry that would not load."""
     if isinstance(entry, Filled):  # read through the object's own template: its names were checked by the read
@@ -246,13 +265,11 @@ def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:
 
 def _load_entry(obj: Any, entry: Any, kwargs: Mapping) -> None:
     """Restore ``obj`` from ``entry``, whose tensors may be deferred: read straight into ``obj``'s own tensors where
-    ``obj`` is a module or an adapter that reads its parts itself, else into new ones first."""
+    ``obj`` is a module, else into new ones first (an adapter that reads its parts itself loads as it prepared)."""
     if isinstance(entry, Filled):
         if entry.read is not None:
             entry.read()
         obj.load_sharded(entry.state)
-    elif isinstance(obj, ShardedState) and obj.loads_deferred:
-        obj.load_state_dict(entry, **_module_kwargs(obj, kwargs))
     elif isinstance(obj, nn.Module) and isinstance(entry, Mapping):
         _read_into_module(obj, entry)
         obj.load_state_dict(entry, **kwargs)

@@ -553,6 +553,37 @@ def test_checks_and_pairing() -> None:
     run_ranks(_checks, 2)
 
 
+def _prepared_loads(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _wrap(Net(), "fsdp2")
+    optimizer = _adam(model)
+    _train(model, optimizer, range(1))
+
+    def local() -> Any:  # this rank's shards and optimizer state, copied
+        return copy.deepcopy(({n: p.detach().to_local() for n, p in model.named_parameters()}, optimizer.state_dict()))
+
+    before = local()
+    model_state, optimizer_state = FSDPModelState(model), FSDPOptimizerState(model, optimizer)
+    expected = _twin_state(2)
+    unfit = {name: value for name, value in expected["model"].items() if name != "inp.weight"}
+    with pytest.raises(RuntimeError, match='Missing key.s. in state_dict: "inp.weight"'):
+        model_state.prepare_load(unfit)
+    loads = [model_state.prepare_load(expected["model"]), optimizer_state.prepare_load(expected["optimizer"])]
+    assert_state_equal(local(), before)  # checked and planned: nothing changed yet
+    for load in loads:
+        load()
+    loaded = _gather(model, optimizer, 0)
+    if rank == 0:
+        _assert_states(loaded, expected, exact=True)
+
+
+@pytest.mark.distributed
+def test_a_prepared_load_changes_nothing_until_it_runs() -> None:
+    """``prepare_load`` checks an entry and plans its copies into this rank's shards, changing nothing; what it
+    returns loads the entry. Loading prepares every object this way before it loads any."""
+    run_ranks(_prepared_loads, 2)
+
+
 def test_plain_optimizer_from_full_state_without_process_group() -> None:
     """The plain path: a full, name-keyed state into a plain optimizer; no process group, nothing shared."""
     expected = _twin_state(2, _two_groups)

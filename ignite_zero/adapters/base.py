@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
@@ -75,6 +76,18 @@ class ShardedState(ABC):
         Loading checks every object's entry first, so that an unfit entry loads nothing at all.
         """
         return None  # nothing to check ahead by default: load_state_dict's own checks apply
+
+    def prepare_load(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> Callable[[], None]:
+        """Check ``state_dict`` as :meth:`check_entry` does, changing nothing, and return what then loads it, as
+        ``load_state_dict(state_dict, *args, **kwargs)`` would (``strict``, say, for a model's adapter).
+
+        Loading prepares every object's entry before it loads any. An adapter whose check works out how to load
+        (which elements of which tensor go where) keeps that work for the load instead of doing it twice.
+
+        .. versionadded:: 0.2.0
+        """
+        self.check_entry(state_dict, *args, **kwargs)
+        return functools.partial(self.load_state_dict, state_dict, *args, **kwargs)
 
     def part_needed(self) -> Part | None:
         """What this rank needs of its entry when another rank reads the checkpoint for it (a file in a

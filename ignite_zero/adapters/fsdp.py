@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
@@ -241,11 +241,18 @@ class FSDPModelState(_FSDPState):
         Raises:
             RuntimeError: as ``nn.Module.load_state_dict`` raises, before anything is changed.
         """
-        _kind(self.module).plan_model_load(self.module, state_dict, strict).run()
+        self.prepare_load(state_dict, strict)()
 
     def check_entry(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Raise as :meth:`load_state_dict` would, changing nothing."""
-        _kind(self.module).plan_model_load(self.module, state_dict, strict).check()
+        self.prepare_load(state_dict, strict)
+
+    def prepare_load(self, state_dict: Mapping[str, Any], strict: bool = True) -> Callable[[], None]:
+        """:meth:`check_entry`, and the plan of the copies into this rank's shards that loads the entry: made
+        once, not at the check and again at the load."""
+        plan = _kind(self.module).plan_model_load(self.module, state_dict, strict)
+        plan.check()
+        return plan.run
 
 
 class FSDPOptimizerState(_FSDPState):
@@ -338,11 +345,17 @@ class FSDPOptimizerState(_FSDPState):
             ValueError: ``state_dict`` is not a full optimizer state, its parameter groups do not match the
                 optimizer's, or its state does not fit the parameters; nothing is changed then.
         """
-        self.obj.load_state_dict(local_optimizer_state(_param_layouts(self.module), self.obj, state_dict, reuse=True))
+        self.prepare_load(state_dict)()
 
     def check_entry(self, state_dict: Mapping[str, Any]) -> None:
         """Raise as :meth:`load_state_dict` would, changing nothing."""
-        check_optimizer_state(_param_layouts(self.module), self.obj, state_dict)
+        self.prepare_load(state_dict)
+
+    def prepare_load(self, state_dict: Mapping[str, Any]) -> Callable[[], None]:
+        """:meth:`check_entry`, and what loads the entry, with the parameters' layouts found once."""
+        layouts = _param_layouts(self.module)
+        check_optimizer_state(layouts, self.obj, state_dict)
+        return lambda: self.obj.load_state_dict(local_optimizer_state(layouts, self.obj, state_dict, reuse=True))
 
 
 @contextmanager
