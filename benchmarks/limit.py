@@ -25,11 +25,15 @@ gloo ranks (CPU). Then every path runs once a round, in an order that rotates ea
 - ``sharded load`` and ``consolidated load``: ``Checkpoint.load_objects`` of a checkpoint written by ``sharded`` and
   by ``consolidated`` before the rounds.
 
-Each target is a directory: ``tmpfs`` is ``/dev/shm`` (no disk: software alone is measured), ``disk`` is ``--disk``
-(the temporary directory or ``IGNITE_ZERO_BENCH_DIR`` by default); on disk, the files a load reads are dropped from
-the page cache before it (``posix_fadvise``). A path's time in a round is its worst rank's (an operation ends when
-every rank's does); the table gives the median of those, and each path's median [min-max] of its per-round ratios
-to its floor (and to the path it must beat). The last line holds the median x-floor ratios of every configuration.
+Each target is a directory: ``tmpfs`` is ``/dev/shm`` (no disk: software alone is measured), ``disk`` is ``--disk`` (the
+temporary directory or ``IGNITE_ZERO_BENCH_DIR`` by default); every load, the floor's included, reads a copy of what it
+loads made just before it, read through once untimed on tmpfs, flushed and dropped from the page cache on disk
+(``posix_fadvise``), so that it reads the disk: how fast a file reads from tmpfs depends on the pages the kernel gave it
+(the same 300 MB read in 57-58 ms from the last of six files written one after the other, 76-78 ms from the first), and
+files written once before the rounds favoured the last one, the floor's; a first read right after the write is slower
+too (the floor 0.089 s, 0.072 s read again). A path's time in a round is its worst rank's (an operation ends when every
+rank's does); the table gives the median of those, and each path's median [min-max] of its per-round ratios to its floor
+(and to the path it must beat). The last line holds the median x-floor ratios of every configuration.
 ``--plot PATH`` draws seconds per path against its floor (needs matplotlib: ``pip install -e '.[benchmarks]'``).
 ``--profile N`` runs each path once after a warm-up, under cProfile on every rank, and prints the N functions that
 took the most time of their own, instead of the table; ``--memory`` runs each path once after a warm-up, and prints
@@ -135,14 +139,22 @@ def _read_raw(path: Path, tensors: list[torch.Tensor]) -> None:
                 view = view[done:]
 
 
-def _drop_cached(directory: Path) -> None:
-    """Drop the pages of every file under ``directory`` from the page cache, so that a load reads the disk."""
-    for path in (p for p in directory.rglob("*") if p.is_file()):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+def _copy(source: Path, target: Path, cold: bool) -> None:
+    """Copy the file or directory ``source`` to ``target``, then read every file of the copy once, or, ``cold``,
+    flush it to the disk and drop it from the page cache (dirty pages would stay)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if source.is_dir():
+        shutil.copytree(source, target)
+    else:
+        shutil.copyfile(source, target)
+    for path in [target] if target.is_file() else sorted(p for p in target.rglob("*") if p.is_file()):
+        with open(path, "rb", buffering=0) as f:
+            if cold:
+                os.fsync(f.fileno())
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                continue
+            while f.read(8 << 20):
+                pass
 
 
 def _empty(directory: Path, keep: set[Path]) -> None:
@@ -250,6 +262,14 @@ def _rank(
     _write_raw(kept / f"raw{rank}", setup.needed, setup.needed_bytes)
     sharded_path, consolidated_path = kept_sharded.last_checkpoint, kept_consolidated.last_checkpoint
     assert sharded_path is not None and consolidated_path is not None
+    # what each load reads, copied afresh before it into `loaded`: each rank its own raw file, rank 0 the rest
+    kept_reads = {
+        "read": kept / f"raw{rank}",
+        "dcp.load": kept / "dcp",
+        "sharded load": Path(sharded_path),
+        "consolidated load": Path(consolidated_path),
+    }
+    loaded = {name: out / "loaded" / source.name for name, source in kept_reads.items()}
 
     def fresh(name: str) -> Path:
         return out / f"{name}-{engine.state.iteration}"
@@ -261,18 +281,19 @@ def _rank(
         "write whole": lambda: _write_raw(fresh("whole"), setup.own, setup.total_bytes) if rank == 0 else None,
         "consolidated": lambda: consolidated(engine),
         "torch full": lambda: setup.torch_full(rank, fresh("full.pt")),
-        "read": lambda: _read_raw(kept / f"raw{rank}", setup.needed),
-        "dcp.load": lambda: setup.dcp_load(kept / "dcp"),
-        "sharded load": lambda: Checkpoint.load_objects(setup.objects, sharded_path),
-        "consolidated load": lambda: Checkpoint.load_objects(setup.objects, consolidated_path),
+        "read": lambda: _read_raw(loaded["read"], setup.needed),
+        "dcp.load": lambda: setup.dcp_load(loaded["dcp.load"]),
+        "sharded load": lambda: Checkpoint.load_objects(setup.objects, loaded["sharded load"]),
+        "consolidated load": lambda: Checkpoint.load_objects(setup.objects, loaded["consolidated load"]),
     }
 
     def run(name: str, profiler: cProfile.Profile | None = None, sampled: list[Measurement] | None = None) -> float:
         engine.state.iteration += 1
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            if name in LOADS and cold:
-                _drop_cached(kept)
+        dist.barrier()
+        if name in LOADS and (name == "read" or rank == 0):
+            _copy(kept_reads[name], loaded[name], cold)
         gc.collect()
         dist.barrier()
         if profiler is not None:
