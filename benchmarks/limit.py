@@ -152,9 +152,9 @@ def _copy(source: Path, target: Path, cold: bool) -> None:
             if cold:
                 os.fsync(f.fileno())
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                continue
-            while f.read(8 << 20):
-                pass
+            else:
+                while f.read(8 << 20):
+                    pass
 
 
 def _empty(directory: Path, keep: set[Path]) -> None:
@@ -291,7 +291,6 @@ def _rank(
         engine.state.iteration += 1
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
         if name in LOADS and (name == "read" or rank == 0):
             _copy(kept_reads[name], loaded[name], cold)
         gc.collect()

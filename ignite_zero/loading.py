@@ -13,7 +13,8 @@ agreement (:func:`ignite_zero.agreement.settle`):
 2. Ranks that see the file read its structure, checked: the entries, their tensors still to be read
    (:mod:`ignite_zero.deferred`). The first rank that sees it, where some rank does not (a private or node-local
    directory), verifies it whole, maps it with ``mmap`` and sends every rank that does not see it only the part it
-   asked for. Every rank then checks its entries, and nothing is loaded anywhere unless every check passed.
+   asked for. Every rank then checks its entries (reading the small ones of per-rank state), and nothing is loaded
+   anywhere unless every check passed.
 3. Every rank restores its objects, and learns whether all others did. Each reads here what it loads, once:
    modules their tensors, FSDP objects their parts of each tensor, a ZeRO optimizer its partition, straight into
    the tensors they are loaded into where the layouts allow, each block checked as it arrives (from a sharded
@@ -223,8 +224,10 @@ def _prepare(objects: Any, entries: Any, kwargs: Mapping) -> list[Callable[[], N
     loads: list[Callable[[], None]] = []
 
     def prepare(path: str, obj: Any, entry: Any) -> None:
-        if isinstance(obj, ShardedState) and obj.loads_deferred and not isinstance(entry, Filled):
-            # reads its parts of the entry's tensors as it loads them, as its check planned
+        if isinstance(obj, ShardedState) and not isinstance(entry, Filled):
+            # an adapter that loads deferred tensors reads its parts of them as it loads, as its check planned; the
+            # others take their (small) entries read whole now
+            entry = entry if obj.loads_deferred else deferred.realize_all(entry)
             loads.append(obj.prepare_load(entry, **_module_kwargs(obj, kwargs)))
             return
         _check_entry(path, obj, entry, kwargs)
@@ -237,9 +240,6 @@ def _prepare(objects: Any, entries: Any, kwargs: Mapping) -> list[Callable[[], N
 def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:
     """Refuse, before anything is loaded, an entry that would not load."""
     if isinstance(entry, Filled):  # read through the object's own template: its names were checked by the read
-        return
-    if isinstance(obj, ShardedState):
-        obj.check_entry(entry, **_module_kwargs(obj, kwargs))
         return
     if not isinstance(obj, nn.Module) or not kwargs.get("strict", True):
         return
@@ -265,7 +265,7 @@ def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:
 
 def _load_entry(obj: Any, entry: Any, kwargs: Mapping) -> None:
     """Restore ``obj`` from ``entry``, whose tensors may be deferred: read straight into ``obj``'s own tensors where
-    ``obj`` is a module, else into new ones first (an adapter that reads its parts itself loads as it prepared)."""
+    ``obj`` is a module, else into new ones first (adapters of sharded state load as :func:`_prepare` prepared them)."""
     if isinstance(entry, Filled):
         if entry.read is not None:
             entry.read()
