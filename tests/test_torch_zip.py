@@ -3,6 +3,7 @@ us, against DCP's own writer and readers."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 import shutil
@@ -11,6 +12,7 @@ import warnings
 import zipfile
 import zlib
 
+import numpy
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -70,6 +72,13 @@ def test_the_archive_is_torch_saves_record_by_record(name):
     _assert_torch_saves(_objects()[name])
 
 
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_a_pickle_protocol_gives_torch_saves_archive_with_it(protocol, monkeypatch):
+    monkeypatch.setattr(torch_zip, "_PICKLES", {})
+    for obj in (_objects()["scalars and values"], torch.arange(6.0), torch.arange(6.0) + 1):  # pickles kept too
+        _assert_torch_saves(obj, protocol)
+
+
 def _lone_tensors() -> list[torch.Tensor]:
     base = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
     with_attribute = torch.ones(4)
@@ -108,11 +117,11 @@ def test_lone_tensors_of_every_layout_are_torch_saves_record_by_record_whenever_
     assert [type(obj) for obj in pickled] == [torch.Tensor, torch.nn.Parameter] and pickled[0].note == "kept"
 
 
-def _assert_torch_saves(obj: object) -> None:
+def _assert_torch_saves(obj: object, pickle_protocol: int = 2) -> None:
     theirs = io.BytesIO()
-    torch.save(obj, theirs)
+    torch.save(obj, theirs, pickle_protocol=pickle_protocol)
     ours = io.BytesIO()
-    archive = write_archive(ours, obj)
+    archive = write_archive(ours, obj, pickle_protocol=pickle_protocol)
     expected, written = theirs.getvalue(), ours.getvalue()
     assert len(written) == len(expected) == archive.size
     assert archive.crc == zlib.crc32(written)
@@ -131,7 +140,9 @@ def _assert_torch_saves(obj: object) -> None:
     assert _without_serialization_id(written) == _without_serialization_id(expected)
     assert len(_records(written)[-1][1]) == 40 and _records(written)[-1][1].isdigit()
     again = io.BytesIO()  # what torch.load reads from ours is what was saved: saved again, it is the same archive
-    torch.save(torch.load(io.BytesIO(written), weights_only=True), again)
+    # torch's weights_only unpickler reads protocol 2 only (FRAME, opcode 149, is refused)
+    loaded = torch.load(io.BytesIO(written), weights_only=pickle_protocol == 2)
+    torch.save(loaded, again, pickle_protocol=pickle_protocol)
     assert _without_serialization_id(again.getvalue()) == _without_serialization_id(expected)
 
 
@@ -276,19 +287,20 @@ def test_a_corrupt_byte_anywhere_in_an_entry_read_is_caught(tmp_path):
         _load_ours(tmp_path, writer, _blank(state))
 
 
-def test_files_of_several_threads_and_entries_that_torch_save_writes(tmp_path, monkeypatch):
-    """Entries of 4 GiB or more take zip64 records that torch.save writes: here every entry, by a lower limit."""
+def test_files_of_several_threads_and_entries_that_earlier_releases_read_whole(tmp_path):
+    """Earlier releases had torch.save write entries of 4 GiB or more and recorded no data offset for them (-1): such
+    entries are read whole, here every entry."""
     state = _state()
-    monkeypatch.setattr(torch_zip, "fits", lambda nbytes: False)
     writer = PlaceStorageWriter(LocalPlace(tmp_path / "ours"), thread_count=3)
     with sharded.in_one_process():
         dcp.save(state, storage_writer=writer, no_dist=True)
+    for records in writer.records.values():
+        records[:] = [dataclasses.replace(record, data_offset=-1, data_crc=0) for record in records]
     files = sorted(p.name for p in (tmp_path / "ours").iterdir())
     assert files == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
     for name in files[1:]:
         content = (tmp_path / "ours" / name).read_bytes()
         assert writer.written[name] == (len(content), zlib.crc32(content))
-    assert any(record.data_offset == -1 for records in writer.records.values() for record in records)
     _assert_equal(_load_ours(tmp_path, writer, _blank(state)), state)
     loaded = _blank(state)
     with sharded.in_one_process():
@@ -305,3 +317,122 @@ def test_files_of_several_threads_and_entries_that_torch_save_writes(tmp_path, m
     saved.close()
     with pytest.raises(RuntimeError, match="was closed before this rank read all it loads"):
         saved.read("model.bias")
+
+
+class _Image(io.RawIOBase):
+    """A stream that keeps what it is given in pages of 4 KiB, only those that are not all zeros, and reads back like
+    a file: the layout of an archive of gigabytes of zeros, in a few pages of memory."""
+
+    PAGE = 4096
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.size = 0
+        self.position = 0
+        self.pages: dict[int, bytearray] = {}
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = numpy.frombuffer(memoryview(data).cast("B"), dtype=numpy.uint8)
+        done = 0
+        while done < len(view):
+            page, within = divmod(self.size + done, self.PAGE)
+            if within or len(view) - done < self.PAGE:
+                chunk = view[done : done + min(self.PAGE - within, len(view) - done)]
+                if chunk.any() or page in self.pages:
+                    self.pages.setdefault(page, bytearray(self.PAGE))[within : within + len(chunk)] = chunk.tobytes()
+                done += len(chunk)
+                continue
+            count = (len(view) - done) // self.PAGE
+            block = view[done : done + count * self.PAGE].reshape(count, self.PAGE)
+            for index in numpy.flatnonzero(block.any(axis=1)):
+                self.pages[page + int(index)] = bytearray(block[index].tobytes())
+            done += count * self.PAGE
+        self.size += len(view)
+        return len(view)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.position = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence] + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def read(self, size: int = -1) -> bytes:
+        stop = self.size if size < 0 else min(self.size, self.position + size)
+        out = bytearray(max(0, stop - self.position))
+        for page in range(self.position // self.PAGE, -(-stop // self.PAGE)):
+            if page in self.pages:
+                start = page * self.PAGE
+                lo, hi = max(start, self.position), min(start + self.PAGE, stop)
+                out[lo - self.position : hi - self.position] = self.pages[page][lo - start : hi - start]
+        self.position = stop
+        return bytes(out)
+
+    def without_serialization_id(self) -> dict[int, bytes]:
+        """The pages, with the serialization id blanked as :func:`_without_serialization_id` does."""
+        self.seek(0)
+        info = zipfile.ZipFile(self).getinfo(_SERIALIZATION_ID)
+        self.seek(info.header_offset + 28)
+        start = info.header_offset + 30 + len(info.filename) + struct.unpack("<H", self.read(2))[0]
+        blanks = [(start, start + info.file_size + 8)]  # the id and the descriptor's CRC-32
+        self.seek(0)
+        directory = zipfile.ZipFile(self).start_dir
+        self.seek(directory)
+        entries = self.read(self.size - directory)
+        at = directory + entries.index(b"archive/.data/serialization_id") - 46 + 16  # the entry's CRC-32
+        blanks.append((at, at + 4))
+        pages = {index: bytearray(page) for index, page in self.pages.items()}
+        for lo, hi in blanks:
+            for position in range(lo, hi):
+                page, within = divmod(position, self.PAGE)
+                if page in pages:
+                    pages[page][within] = 0
+        return {index: bytes(page) for index, page in pages.items() if any(page)}
+
+
+def _assert_torch_saves_at_size(obj: object) -> None:
+    theirs, ours = _Image(), _Image()
+    torch.save(obj, theirs)
+    archive = write_archive(ours, obj)
+    assert ours.size == theirs.size == archive.size
+    assert ours.without_serialization_id() == theirs.without_serialization_id()
+    ours.seek(0)
+    theirs.seek(0)
+    expected, written = zipfile.ZipFile(theirs).infolist(), zipfile.ZipFile(ours).infolist()
+    assert [(i.filename, i.header_offset, i.file_size, i.CRC) for i in written if i.filename != _SERIALIZATION_ID] == [
+        (i.filename, i.header_offset, i.file_size, i.CRC) for i in expected if i.filename != _SERIALIZATION_ID
+    ]
+    records = {record.name: record for record in archive.records}
+    assert [(info.file_size, info.CRC) for info in written] == [
+        (records[info.filename.removeprefix("archive/")].size, records[info.filename.removeprefix("archive/")].crc)
+        for info in written
+    ]
+
+
+_GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        pytest.param([(4 * _GIB + 1000) // 4], id="a record past 4 GiB"),
+        pytest.param([1000, (2 * _GIB + 4096) // 4, (2 * _GIB + 4096) // 4, 7], id="an archive past 4 GiB"),
+        pytest.param([(4 * _GIB + 4096) // 4, (_GIB + 4096) // 4, 3], id="a record past 4 GiB beyond 4 GiB"),
+    ],
+)
+def test_archives_past_4_gib_are_torch_saves_with_zip64_fields(shapes):
+    # untouched memory: zeros that take no room, read from the kernel's zero page
+    _assert_torch_saves_at_size([torch.empty(numel, dtype=torch.float32) for numel in shapes])
+
+
+def test_an_archive_of_more_than_65535_records_is_torch_saves():
+    _assert_torch_saves_at_size([torch.full((2,), float(i)) for i in range(65_600)])

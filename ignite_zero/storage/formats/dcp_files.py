@@ -29,7 +29,7 @@ import os
 import pickle
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import IO, Any, cast
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -85,7 +85,7 @@ class EntryRecord:
         length: its size in bytes.
         crc: the CRC-32 of the whole entry.
         data_offset: where the bytes of its tensor start in the file (the entry's own offset for a value's bytes);
-            ``-1`` for an archive written by ``torch.save`` (4 GiB or more), read whole.
+            ``-1`` for an archive that earlier releases had ``torch.save`` write (4 GiB or more), read whole.
         data_crc: the CRC-32 of those bytes.
     """
 
@@ -131,36 +131,14 @@ class _Output:
 
     def tensor(self, tensor: torch.Tensor) -> EntryRecord:
         offset = self.size
-        if torch_zip.fits(tensor.nbytes):
-            archive = torch_zip.write_archive(self.write, tensor)
-            data = archive.record("data/0")
-            return self._entry(EntryRecord(offset, archive.size, archive.crc, offset + data.offset, data.crc))
-        passing = _Passing(self)  # 4 GiB or more: torch.save writes its zip64 records, read back whole by a load
-        torch.save(tensor, cast(IO[bytes], passing))
-        return self._entry(EntryRecord(offset, self.size - offset, passing.crc, -1, 0))
+        archive = torch_zip.write_archive(self.write, tensor)
+        data = archive.record("data/0")
+        return self._entry(EntryRecord(offset, archive.size, archive.crc, offset + data.offset, data.crc))
 
     def _entry(self, record: EntryRecord) -> EntryRecord:
         self.crc = zlib_ng.crc32_combine(self.crc, record.crc, record.length)
         self.records.append(record)
         return record
-
-
-class _Passing(io.RawIOBase):
-    """What ``torch.save`` writes, passed on to a file being written, its CRC-32 computed on the way."""
-
-    def __init__(self, output: _Output) -> None:
-        super().__init__()
-        self._output = output
-        self.crc = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._output.write(view)
-        self.crc = zlib_ng.crc32(view, self.crc)
-        return view.nbytes
 
 
 class PlaceStorageWriter(StorageWriter):

@@ -14,8 +14,10 @@ Every record is the same as ``torch.save``'s but the serialization id, which tor
 library's string hashes: ours is 40 digits too, from the CRC-32 of the record names and of their data. torch reads
 it only to tell files apart.
 
-Archives of 4 GiB or more, and records of that size, need zip64 fields that this writer does not write:
-:func:`fits` tells them apart, for the caller to hand them to ``torch.save``.
+Archives of any size are written as ``torch.save`` writes them: a record of 4 GiB or more, or one that starts 4 GiB or
+more into the archive, carries a zip64 extra field in its local and central headers (before torch's padding) and a
+data descriptor of 64-bit sizes; the end record says ``0xFFFF`` and ``0xFFFFFFFF`` where counts, the directory's size
+or its offset do not fit, the zip64 end record, always written, holds them.
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ from zlib_ng import zlib_ng
 
 from ignite_zero import _compat
 
-__all__ = ["Archive", "Record", "fits", "tensor_bytes", "write_archive"]
+__all__ = ["PICKLE_PROTOCOL", "Archive", "Record", "tensor_bytes", "write_archive"]
 
 _LOCAL = struct.Struct("<4s5H3L2H")  # local file header, 30 bytes
 _DESCRIPTOR = struct.Struct("<4s3L")  # data descriptor: CRC-32, compressed and uncompressed size
+_DESCRIPTOR64 = struct.Struct("<4sL2Q")  # the same with 64-bit sizes, after a record with a zip64 extra field
+_ZIP64_EXTRA = 0x0001  # the header id of the zip64 extra field
 _CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory entry, 46 bytes
 _ZIP64_END = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory record, 56 bytes
 _ZIP64_LOCATOR = struct.Struct("<4sLQL")
@@ -46,11 +50,12 @@ _END = struct.Struct("<4s4H2LH")
 _UTF8, _DESCRIBED = 0x0800, 0x0008
 # The zip64 end record of torch's archives says "made by" 0x031e (Unix, spec 3.0) and "needs" 4.5.
 _ZIP64_MADE_BY, _ZIP64_NEEDS = 0x031E, 45
+# Sizes and offsets from this one on, and counts from 0xFFFF on, live in zip64 fields; the 32- and 16-bit fields
+# then say 0xFFFFFFFF and 0xFFFF.
 _LIMIT = 0xFFFFFFFF
-# The records besides the storages: data.pkl, .format_version, .storage_alignment, byteorder, version, serialization id.
-_OTHER_RECORDS = 6
-# The pickle protocol of torch.save.
-_PROTOCOL = 2
+_COUNT_LIMIT = 0xFFFF
+#: The pickle protocol of ``torch.save``, its default.
+PICKLE_PROTOCOL = 2
 # Each slice of a record is checksummed right after it is written, from the CPU's cache, where the write's copy left
 # it. Two processes at once, each writing 302 MB of tensors to tmpfs in 256 KiB slices, took 102-105 ms so, 117 ms
 # checksummed before each write (reading memory twice), 97 ms without checksums (medians of 15 rounds, 2 cores).
@@ -107,13 +112,6 @@ def _storage_tensor(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
-def fits(nbytes: int, storages: int = 1) -> bool:
-    """Whether an archive of ``nbytes`` in ``storages`` storages, at any position in a file, is one this writer
-    writes: archives and records under 4 GiB, and fewer than 65535 records (their offsets, sizes and count fit the
-    fields without zip64 extensions)."""
-    return nbytes < _LIMIT - (1 << 20) and storages + _OTHER_RECORDS < 0xFFFF
-
-
 # The pickle of each layout of a tensor saved alone, as torch pickled it the first time: DCP's files hold one archive
 # per tensor, most of them laid out alike (a model's layers, their moments). Pickled anew, each took 0.1 ms in a save
 # (its Python code out of the CPU's caches after each write of megabytes): 11 ms of an FSDP2 save of 108 tensors.
@@ -121,14 +119,16 @@ _PICKLES: dict[tuple[Any, ...], bytes] = {}
 _PICKLES_KEPT = 1024
 
 
-def _pickled(obj: Any) -> tuple[bytes, list[tuple[str, torch.UntypedStorage]]]:
+def _pickled(obj: Any, protocol: int) -> tuple[bytes, list[tuple[str, torch.UntypedStorage]]]:
     """``torch.save``'s pickle of ``obj`` and the storages it refers to, by their keys in it."""
     layout = _lone_tensor_layout(obj)
+    if layout is not None:
+        layout = (protocol, *layout)
     kept = None if layout is None else _PICKLES.get(layout)  # one look: writing threads may clear it meanwhile
     if kept is not None:
         return kept, [("0", obj.untyped_storage())]
     buffer = io.BytesIO()
-    pickler = _Pickler(buffer)
+    pickler = _Pickler(buffer, protocol)
     pickler.dump(obj)
     pickled, storages = buffer.getvalue(), list(pickler.storages.values())
     if layout is not None and [key for key, _ in storages] == ["0"]:  # its own storage, as a hit takes it
@@ -163,8 +163,8 @@ class _Pickler(pickle.Pickler):
     """``torch.save``'s pickle: storages become references ``("storage", type, key, location, numel)``, keys
     numbered in the order met."""
 
-    def __init__(self, file: IO[bytes]) -> None:
-        super().__init__(file, protocol=_PROTOCOL)
+    def __init__(self, file: IO[bytes], protocol: int) -> None:
+        super().__init__(file, protocol=protocol)
         self.storages: dict[int, tuple[str, torch.UntypedStorage]] = {}
 
     def persistent_id(self, obj: Any) -> Any:
@@ -206,35 +206,61 @@ class _Writer:
     ) -> None:
         full_name = f"archive/{name}".encode()
         start = self.archive.size
-        # torch pads the extra field ("FB", its length, then "Z"s) so that the data starts on the alignment
-        unpadded = start + _LOCAL.size + len(full_name) + 4
-        padding = -unpadded % self.alignment
-        extra = b"FB" + struct.pack("<H", padding) + b"Z" * padding
         view = memoryview(data).cast("B")
-        flags = _UTF8 | _DESCRIBED if view.nbytes else _UTF8
+        size = view.nbytes
+        # zip64 fields as torch's zip writer puts them: the sizes where the data is too large (the compressed one
+        # still unknown, 0, in the local header), the header's offset where it starts too far into the archive
+        large, far = size >= _LIMIT, start >= _LIMIT
+        zip64 = large or far
+        offset = (start,) if far else ()
+        local_zip64 = _zip64_extra(((size, 0) if large else ()) + offset)
+        central_zip64 = _zip64_extra(((size, size) if large else ()) + offset)
+        # torch pads the extra field ("FB", its length, then "Z"s) so that the data starts on the alignment
+        unpadded = start + _LOCAL.size + len(full_name) + len(local_zip64) + 4
+        padding = -unpadded % self.alignment
+        extra = local_zip64 + b"FB" + struct.pack("<H", padding) + b"Z" * padding
+        flags = _UTF8 | _DESCRIBED if size else _UTF8
         header = _LOCAL.pack(b"PK\x03\x04", 0, flags, 0, 0, 0, 0, 0, 0, len(full_name), len(extra))
         self._put(header + full_name + extra)
-        if view.nbytes <= _SMALL and source is None:
+        if size <= _SMALL and source is None:
             crc = zlib_ng.crc32(view)
             self._put(view)
         else:
             self._flush()
             crc = 0
-            for begin in range(0, view.nbytes, _SLICE):
+            for begin in range(0, size, _SLICE):
                 piece = view[begin : begin + _SLICE]
                 for part in (piece,) if source is None else source(piece):
                     self._write(part)
                     crc = zlib_ng.crc32(part, crc)
-            self.archive.crc = zlib_ng.crc32_combine(self.archive.crc, crc, view.nbytes)
-            self.archive.size += view.nbytes
-        self.archive.records.append(Record(name, self.archive.size - view.nbytes, view.nbytes, crc))
-        if view.nbytes:
-            self._put(_DESCRIPTOR.pack(b"PK\x07\x08", crc, view.nbytes, view.nbytes))
-        size, length = view.nbytes, len(full_name)
-        entry = _CENTRAL.pack(b"PK\x01\x02", 0, 0, flags, 0, 0, 0, crc, size, size, length, 0, 0, 0, 0, 0, start)
-        self._central.append(entry + full_name)
+            self.archive.crc = zlib_ng.crc32_combine(self.archive.crc, crc, size)
+            self.archive.size += size
+        self.archive.records.append(Record(name, self.archive.size - size, size, crc))
+        if size:
+            descriptor = _DESCRIPTOR64 if zip64 else _DESCRIPTOR
+            self._put(descriptor.pack(b"PK\x07\x08", crc, size, size))
+        entry = _CENTRAL.pack(
+            b"PK\x01\x02",
+            0,
+            0,
+            flags,
+            0,
+            0,
+            0,
+            crc,
+            min(size, _LIMIT),
+            min(size, _LIMIT),
+            len(full_name),
+            len(central_zip64),
+            0,
+            0,
+            0,
+            0,
+            min(start, _LIMIT),
+        )
+        self._central.append(entry + full_name + central_zip64)
         self._names.append(name)
-        self._combined_crc = zlib_ng.crc32_combine(self._combined_crc, crc, view.nbytes)
+        self._combined_crc = zlib_ng.crc32_combine(self._combined_crc, crc, size)
 
     def finish(self) -> Archive:
         names_crc = zlib_ng.crc32("\n".join(self._names).encode())
@@ -260,16 +286,33 @@ class _Writer:
                 directory_start,
             )
             + _ZIP64_LOCATOR.pack(b"PK\x06\x07", 0, zip64_end, 1)
-            + _END.pack(b"PK\x05\x06", 0, 0, entries, entries, len(directory), directory_start, 0)
+            + _END.pack(
+                b"PK\x05\x06",
+                0,
+                0,
+                min(entries, _COUNT_LIMIT),
+                min(entries, _COUNT_LIMIT),
+                min(len(directory), _LIMIT),
+                min(directory_start, _LIMIT),
+                0,
+            )
         )
         self._flush()
         return self.archive
+
+
+def _zip64_extra(values: tuple[int, ...]) -> bytes:
+    """The zip64 extra field of the values that do not fit their header's fields (empty when all fit)."""
+    if not values:
+        return b""
+    return struct.pack(f"<2H{len(values)}Q", _ZIP64_EXTRA, 8 * len(values), *values)
 
 
 def write_archive(
     stream: IO[bytes] | Callable[[Any], object],
     obj: Any,
     source: Callable[[memoryview], Iterable[memoryview]] | None = None,
+    pickle_protocol: int = PICKLE_PROTOCOL,
 ) -> Archive:
     """Write ``obj`` to ``stream`` as ``torch.save(obj, stream)`` would, storages straight from their memory.
 
@@ -279,19 +322,12 @@ def write_archive(
         source: given each slice of a storage's memory before it is written, returns the bytes to write in its place,
             in order: for a caller whose bytes are still arriving, or lie elsewhere (a consolidated save), to wait
             for them or point to them.
+        pickle_protocol: ``torch.save``'s argument of that name.
 
     Returns:
         Where each record lies in what was written, and the CRC-32 of all of it.
-
-    Raises:
-        ValueError: the archive's storages take 4 GiB or more (see :func:`fits`); ``torch.save`` writes those.
     """
-    pickled, storages = _pickled(obj)
-    total = sum(storage.nbytes() for _, storage in storages)
-    if not fits(total, len(storages)):
-        raise ValueError(
-            f"{total} bytes in {len(storages)} storages take zip64 records, which this writer does not write"
-        )
+    pickled, storages = _pickled(obj, pickle_protocol)
     writer = _Writer(stream.write if hasattr(stream, "write") else stream)
     writer.record("data.pkl", pickled)
     writer.record(".format_version", b"1")
