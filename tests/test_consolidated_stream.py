@@ -3,20 +3,31 @@
 A load reads it back into the tensors it restores.
 """
 
+import contextlib
 import os
+import shutil
 import signal
+import tempfile
+import threading
 import time
 import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
+import torch.distributed as dist
 from ignite.engine import Engine
 from ignite.handlers import Checkpoint as IgniteCheckpoint
 from launcher import run_ranks
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from training import assert_state_equal, mixed_objects, small_net, tiny_model, train_step, zero_adam
 
-from ignite_zero import Checkpoint, DiskSaver, transport
+from ignite_zero import Checkpoint, DiskSaver, IntegrityError, transport
 from ignite_zero.adapters import ZeROState, adapt
 from ignite_zero.storage.formats.file import verify_file
 from ignite_zero.transport import Overlap
@@ -200,3 +211,113 @@ def _save(rank, world_size, tmp_path):
     trainer = Engine(lambda e, b: None)
     trainer.state.iteration = 3
     Checkpoint({"model": model, "optimizer": optimizer}, DiskSaver(tmp_path))(trainer)
+
+
+# --- past 4 GiB: zip64 records, written as they arrive -------------------------------------------------------------
+
+_ROWS, _COLUMNS = 16_384, 22_000  # three parameters of 1.44 GB: 4.33 GB in all, past 4 GiB (4.29 GB)
+
+
+class _Large(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.empty(_ROWS, _COLUMNS)) for _ in range(3))
+
+
+def _fill(tensor: torch.Tensor, index: int, first_row: int) -> torch.Tensor:
+    """Each element of parameter ``index`` from its row and column, without a temporary of the tensor's size."""
+    rows = torch.arange(first_row, first_row + tensor.shape[0], dtype=torch.float32).unsqueeze(1)
+    return tensor.copy_(rows.mul_(3.0).add_(index).expand_as(tensor)).add_(torch.arange(_COLUMNS) / _COLUMNS)
+
+
+def _large_sharded() -> nn.Module:
+    with torch.device("meta"):
+        model = _Large()
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    for index, weight in enumerate(model.weights):
+        local = weight.to_local()
+        first_row = -(-_ROWS // dist.get_world_size()) * dist.get_rank()  # FSDP2's even chunks of dim 0
+        with torch.no_grad():
+            _fill(local, index, first_row)
+    return model
+
+
+def _assert_filled(model: nn.Module) -> None:
+    for index, weight in enumerate(model.weights):
+        local, first_row = weight, 0
+        if isinstance(weight, DTensor):
+            local, first_row = weight.to_local(), -(-_ROWS // dist.get_world_size()) * dist.get_rank()
+        for start in range(0, local.shape[0], 2048):  # in pieces, as the expected values take memory
+            piece = local[start : start + 2048]
+            assert torch.equal(piece, _fill(torch.empty_like(piece), index, first_row + start)), (index, start)
+
+
+def _save_large(rank, world_size, directory):
+    model = _large_sharded()
+    before = psutil.Process().memory_info().rss
+    with _peak_resident() as peak:
+        Checkpoint({"model": model}, DiskSaver(directory), consolidate_recipient_rank=0)(Engine(lambda e, b: None))
+    return peak() - before
+
+
+def _load_large(rank, world_size, path):
+    model = _large_sharded() if dist.is_initialized() else _Large()
+    Checkpoint.load_objects({"model": model}, path)
+    _assert_filled(model)
+
+
+@contextlib.contextmanager
+def _peak_resident() -> Iterator[Callable[[], int]]:
+    """The highest resident memory of this process seen every 10 ms while inside."""
+    process, peak, done = psutil.Process(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.01):
+            peak[0] = max(peak[0], process.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield lambda: peak[0]
+    finally:
+        done.set()
+        sampler.join()
+
+
+def test_a_consolidated_save_past_4_gib_streams_and_loads_on_any_world_size(tmp_path):
+    # tmpfs where there is one: 4.3 GB written and read back four times
+    scratch = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp_path))
+    try:
+        growth = run_ranks(_save_large, 2, scratch, timeout=240)
+        (path,) = scratch.glob("*.pt")
+        assert path.stat().st_size > 4 << 30
+        assert growth[0] < 300 << 20, growth  # through the slots: not the 4.3 GB it receives and writes
+        with zipfile.ZipFile(path) as archive:
+            assert max(info.header_offset for info in archive.infolist()) > 0xFFFFFFFF
+        assert verify_file(path) is not None
+        for world_size in (1, 2, 3):
+            run_ranks(_load_large, world_size, path, timeout=240, init=world_size > 1)
+        # torch's own reader, mapped: every parameter as saved
+        loaded = torch.load(path, weights_only=True, mmap=True)  # a single object: its state itself
+        for index in range(3):
+            _assert_filled_plain(loaded[f"weights.{index}"], index)
+        del loaded
+        # a corrupt byte past the 4 GiB mark: verify and a load name it
+        with open(path, "r+b") as f:
+            f.seek((4 << 30) + 12345)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(IntegrityError, match="corrupt"):
+            verify_file(path)
+        with pytest.raises(IntegrityError, match="corrupt"):
+            _load_large(0, 1, path)
+    finally:
+        shutil.rmtree(scratch)
+
+
+def _assert_filled_plain(weight: torch.Tensor, index: int) -> None:
+    for start in range(0, weight.shape[0], 2048):
+        piece = weight[start : start + 2048]
+        assert torch.equal(piece, _fill(torch.empty_like(piece), index, start)), (index, start)
