@@ -31,6 +31,8 @@ from ignite_zero.storage import replicas
 from ignite_zero.storage.files import DiskSaver
 from ignite_zero.storage.formats import IntegrityError, Reader, reader_for
 from ignite_zero.storage.formats.base import human_size
+from ignite_zero.storage.formats.consolidation import WINDOW_BYTES, streamed_state
+from ignite_zero.storage.formats.directory import DirectoryReader
 from ignite_zero.storage.places import is_url, split
 
 __all__ = ["main"]
@@ -139,14 +141,19 @@ def _consolidate(reader: Reader, target: str, options: Mapping[str, Any], out: T
     if directory.is_file(name) or directory.is_dir(name):
         print(f"ignite-zero: {target} exists; consolidate never overwrites: choose another name", file=sys.stderr)
         return 1
-    if not reader.sharded:
+    if not isinstance(reader, DirectoryReader):
         print(f"ignite-zero: {reader.path} is not a sharded checkpoint directory", file=sys.stderr)
         return 1
     started = time.perf_counter()
     progress = _Progress("consolidating")
-    state = reader.load(weights_only=True, progress=progress.update)
-    DiskSaver(directory, require_empty=False, save_on_rank=0)(state, name)
-    progress.close()
+    state, tensors = streamed_state(reader.place, progress.update)
+    try:
+        DiskSaver(directory, require_empty=False, save_on_rank=0).write_streamed(
+            state, name, tensors.bytes_of, tensors.read_all
+        )
+    finally:
+        tensors.close()
+        progress.close()
     elapsed = time.perf_counter() - started
     print(f"{target}: {human_size(directory.size(name))} from {reader.path} in {elapsed:.1f} s", file=out)
     return 0
@@ -232,9 +239,12 @@ def _parser() -> argparse.ArgumentParser:
         parents=[storage],
         help="turn a sharded checkpoint directory into one file that loads anywhere",
         description=_wrap(
-            "Read a sharded checkpoint directory whole and write it as one checkpoint file, which "
-            "Checkpoint.load_objects reads on any number of ranks or in one process. Holds the whole state in "
-            "memory; never overwrites."
+            "Read a sharded checkpoint directory entry by entry and write it as one checkpoint file, which "
+            "Checkpoint.load_objects reads on any number of ranks or in one process. Memory holds at most "
+            f"{WINDOW_BYTES >> 20} MiB of the tensors' rows at a time, plus the non-tensor values, whatever the "
+            "size of the checkpoint (a directory whose manifest records no entries, another tool's, holds its "
+            "largest tensor). Every entry is checked against the manifest as it is read; the file appears whole "
+            "or not at all, and never overwrites."
         ),
         epilog=_exit_status(
             "0    written", "1    the source is missing, not a sharded directory or corrupt, or the target exists"

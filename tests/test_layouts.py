@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,11 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
+from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, cli
+from ignite_zero.storage.formats import consolidation
 from ignite_zero.storage.formats import directory as sharded
+from ignite_zero.storage.formats.consolidation import WINDOW_BYTES
+from ignite_zero.storage.formats.file import verify_file
 
 pytestmark = pytest.mark.distributed
 
@@ -275,3 +279,49 @@ def test_2d_layouts_load_into_a_plain_module_without_process_group(saved: Path, 
         actual = {"model": model.state_dict(), "optimizer": _full_optimizer_state(model, optimizer)}
         _assert_states(actual, expected, exact=False)
         assert model.out.weight is model.emb.weight
+
+
+@pytest.mark.parametrize("window", [WINDOW_BYTES, 48], ids=["window", "rows a few at a time"])
+@pytest.mark.parametrize("layout", ["hsdp", "tp", "fsdp1_hybrid", "fsdp2"])
+def test_consolidate_writes_what_the_consolidated_save_wrote(saved, layout, window, tmp_path, monkeypatch):
+    """``ignite-zero consolidate`` streams every layout's shards (rows split over files, over tensor-parallel parts)
+    into the state that the consolidated save of the same moment holds."""
+    monkeypatch.setattr(consolidation, "WINDOW_BYTES", window)
+    target = tmp_path / "one.pt"
+    assert cli.main(["consolidate", str(_path(saved, layout, "dcp")), str(target)]) == 0
+    assert verify_file(target) is not None
+    expected = _in_name_order(torch.load(_path(saved, layout, "pt"), weights_only=True))
+    for mmap in (False, True):
+        _assert_states(_in_name_order(torch.load(target, weights_only=True, mmap=mmap)), expected, exact=True)
+    torch.manual_seed(7)
+    model = LayoutNet()
+    optimizer = _adam(model)
+    Checkpoint.load_objects({"model": model, "optimizer": optimizer}, target)
+    actual = {"model": model.state_dict(), "optimizer": _full_optimizer_state(model, optimizer)}
+    _assert_states(_in_name_order(actual), expected, exact=True)
+
+
+def _in_name_order(state: Any) -> Any:
+    """Every mapping's entries by name: a directory's metadata lists them in an order of its own, not the state's."""
+    if isinstance(state, dict):
+        return {key: _in_name_order(state[key]) for key in sorted(state, key=str)}
+    return [_in_name_order(value) for value in state] if isinstance(state, list) else state
+
+
+def test_consolidate_refuses_a_corrupt_entry_and_leaves_nothing(saved, tmp_path, capsys):
+    directory = tmp_path / "corrupt.dcp"
+    shutil.copytree(_path(saved, "tp", "dcp"), directory)
+    records = sharded.entry_records(sharded.read_manifest(directory))
+    name, record = next(
+        (name, record) for name, part in records.items() for record in part if record.data_offset > record.offset
+    )
+    with open(directory / name, "r+b") as f:
+        f.seek(record.data_offset + 1)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    target_directory = tmp_path / "out"
+    target_directory.mkdir()
+    assert cli.main(["consolidate", str(directory), str(target_directory / "one.pt")]) == 1
+    assert "is corrupt" in capsys.readouterr().err
+    assert list(target_directory.iterdir()) == []  # no target, no temporary file

@@ -11,9 +11,9 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path, PurePosixPath
-from typing import IO, Any, cast
+from typing import IO, Any, NamedTuple, cast
 
 import numpy
 import torch
@@ -100,7 +100,7 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
     ) -> None:
         self._atomic = atomic
         self.kwargs = kwargs
-        self._arriving: transport.Overlap | None = None  # during a consolidated save whose state is still arriving
+        self._arriving: _Arriving | None = None  # during a save whose tensors' bytes are not all in their memory yet
         super().__init__(dirname, create_dir, require_empty, save_on_rank, storage_options)
 
     def writes_here(self, request: SaveRequest) -> bool:
@@ -112,12 +112,39 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
     def write_arriving(self, content: Any, request: SaveRequest, arriving: transport.Overlap) -> None:
         """Write each slice of a tensor as soon as its bytes have arrived, where this saver writes the archive
         itself; else (keywords only ``torch.save`` honours, a method replaced) once every byte has."""
+        arrived = _Arriving(_arrived(arriving), arriving.finish)
+        self._write_arriving(content, request.filename, arrived, request.metadata)
+
+    def write_streamed(
+        self,
+        checkpoint: Mapping,
+        filename: str,
+        source: Callable[[memoryview], Iterable[memoryview]],
+        read_all: Callable[[], None],
+    ) -> None:
+        """Write ``checkpoint``, whose tensors' memory holds nothing yet, as the file ``filename``: ``source`` gives
+        the bytes of each slice of that memory as the file is written (see
+        :func:`~ignite_zero.storage.formats.torch_zip.write_archive`), so that the state is never held whole.
+
+        Args:
+            checkpoint: what the file holds.
+            filename: its name in the directory.
+            source: the bytes of a slice of a tensor's memory.
+            read_all: fills every tensor's memory, for a write that ``torch.save`` makes (keywords only it
+                honours, a method replaced), which reads the memory itself.
+        """
+        self._write_arriving(checkpoint, filename, _Arriving(source, read_all))
+
+    def _write_arriving(
+        self, checkpoint: Mapping, filename: str, arriving: _Arriving, metadata: Mapping | None = None
+    ) -> None:
         if not (self._writes_archive(_TORCH_SAVE) and _unchanged(self, "_save_func", "_dump")):
-            super().write_arriving(content, request, arriving)
+            arriving.fill()  # whatever writes the file reads the tensors' memory itself
+            self(checkpoint, filename, metadata)
             return
         self._arriving = arriving
         try:
-            self.write(content, request)
+            self(checkpoint, filename, metadata)
         finally:
             self._arriving = None
 
@@ -155,7 +182,7 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
                 if self._writes_archive(func):
                     # torch.save's archive, written by us straight from tensor memory, faster than torch.save, and
                     # from bytes still arriving (see docs/benchmarks.rst)
-                    source = None if arriving is None else _arrived(arriving)
+                    source = None if arriving is None else arriving.source
                     torch_zip.write_archive(
                         cast(IO[bytes], stream),
                         checkpoint,
@@ -164,7 +191,7 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
                     )
                 else:
                     if arriving is not None:  # whatever writes it reads every byte: all must be there
-                        arriving.finish()
+                        arriving.fill()
                     func(checkpoint, cast(IO[bytes], stream), **self.kwargs)
             except Exception as error:
                 if stream.error is not None:  # the real cause, e.g. ENOSPC or EIO, instead of torch's summary
@@ -195,6 +222,13 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         """Fail before writing, clearly, when the new file cannot fit beside the ones it will replace."""
         free = self.place.free_space()
         check_room(self.place, filename, serialized_size(checkpoint) if free is not None else 0, free)
+
+
+class _Arriving(NamedTuple):
+    """Bytes of a checkpoint's tensors that are not in their memory yet."""
+
+    source: Callable[[memoryview], Iterable[memoryview]]  # the bytes of a slice of that memory, once there
+    fill: Callable[[], None]  # puts every byte in its memory
 
 
 def _unchanged(saver: DiskSaver, *names: str) -> bool:

@@ -61,6 +61,7 @@ from ignite_zero.storage.places import Place, place_of
 
 __all__ = [
     "METADATA",
+    "ChunkReading",
     "EntryRecord",
     "Fill",
     "PlaceStorageReader",
@@ -479,6 +480,16 @@ class SavedTensors:
         tensors.sort(key=lambda read: self._place_of(read[0]))
         return Fill(self, state, values, tensors)
 
+    def reading(self, index: MetadataIndex, nbytes: int) -> ChunkReading | None:
+        """The ``nbytes`` of the saved chunk ``index``'s tensor, to read in parts from first to last, checked once
+        the last arrives; ``None`` where the manifest records the entry as an archive to read whole (earlier
+        releases')."""
+        info = self._metadata.storage_data[index]
+        record, where = self._entries.of(info, index.fqn)
+        if record.data_offset < 0:
+            return None
+        return ChunkReading(self._open(info.relative_path), record, nbytes, where)
+
     def _recorded(self, index: MetadataIndex) -> EntryRecord | None:
         info = self._metadata.storage_data.get(index)
         return None if info is None else self._entries.recorded(info.relative_path, info.offset, info.length)
@@ -509,6 +520,40 @@ class SavedTensors:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+
+class ChunkReading:
+    """The bytes of one saved chunk's tensor, read in parts in their order; their CRC-32 computed as they arrive and
+    checked against the manifest's once the last has.
+
+    Args:
+        f: the file that holds the entry.
+        record: the entry's record.
+        nbytes: the size of its tensor's bytes.
+        where: the entry, for messages.
+    """
+
+    def __init__(self, f: IO[bytes], record: EntryRecord, nbytes: int, where: str) -> None:
+        self._f = f
+        self._record = record
+        self._nbytes = nbytes
+        self._where = where
+        self._crc = 0
+        self._done = 0
+
+    def read_into(self, view: memoryview) -> None:
+        """Read the next ``view.nbytes`` bytes of the tensor into ``view``.
+
+        Raises:
+            IntegrityError: the file ends early, or the tensor's bytes, all read, do not match their CRC-32.
+        """
+        if self._done + view.nbytes > self._nbytes:
+            raise IntegrityError(f"{self._where}: read past the {self._nbytes} bytes of its tensor")
+        self._f.seek(self._record.data_offset + self._done)
+        self._crc = _read_into(self._f, view, self._where, self._crc)
+        self._done += view.nbytes
+        if self._done == self._nbytes:
+            _check(self._crc, self._record.data_crc, self._where)
 
 
 class SavedTensor:

@@ -1,0 +1,226 @@
+"""A sharded checkpoint directory read as the state of one checkpoint file, in bounded memory: what
+``ignite-zero consolidate`` writes.
+
+:func:`streamed_state` returns the state that :meth:`DirectoryReader.load
+<ignite_zero.storage.formats.directory.DirectoryReader.load>` returns, with every tensor allocated but not read
+(memory the kernel has not handed out yet, so not resident), and :class:`StreamedTensors`, the source of their
+bytes for :func:`~ignite_zero.storage.formats.torch_zip.write_archive`. Asked for a slice of a tensor's memory, in
+the order the writer writes them, it reads the rows of the tensor that hold it from every saved chunk into a window
+of its own, and hands the window's bytes on. Each chunk's bytes are read once, in order, and checked against the
+manifest's CRC-32 when the last of them arrives: a corrupt entry fails the write before the file is committed.
+
+A directory that records no entries in its manifest (another tool's, or an earlier release's) is verified whole
+first, and each of its tensors is read whole when the writer comes to it: memory then holds the largest tensor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from ignite_zero.adapters.zero import as_saved_optimizer_state
+from ignite_zero.storage.formats.dcp_files import ChunkReading, EntryRecord, SavedTensors
+from ignite_zero.storage.formats.directory import (
+    entry_records,
+    load,
+    name_of,
+    nest,
+    read_manifest,
+    read_metadata,
+    template,
+    verify,
+)
+from ignite_zero.storage.formats.torch_zip import tensor_bytes
+from ignite_zero.storage.places import Place
+
+__all__ = ["WINDOW_BYTES", "StreamedTensors", "streamed_state"]
+
+#: The rows of a tensor read at a time, at most (a row larger than this is read alone).
+WINDOW_BYTES = 64 << 20
+
+
+def streamed_state(
+    place: Place, progress: Callable[[int, int], None] | None = None
+) -> tuple[dict[str, Any], StreamedTensors]:
+    """The state of the checkpoint directory at ``place`` as one file holds it, its tensors unread, and the source
+    of their bytes.
+
+    Raises:
+        IntegrityError: the directory has no manifest that records its entries and does not verify, or its
+            ``.metadata`` is corrupt.
+    """
+    records = entry_records(read_manifest(place))
+    if records is None:
+        verify(place)
+    metadata = read_metadata(place, records)
+    values = template(metadata, lambda path: isinstance(_storage(metadata, path), BytesStorageMetadata))
+    load(values, place, records)  # the small values, read and checked now
+    tensors = {
+        name: torch.empty(storage.size, dtype=storage.properties.dtype)
+        for name, storage in metadata.state_dict_metadata.items()
+        if isinstance(storage, TensorStorageMetadata)
+    }
+    flat = {name: tensors[name] if name in tensors else values[name] for name in metadata.state_dict_metadata}
+    state = {key: as_saved_optimizer_state(value) for key, value in nest(metadata, flat).items()}
+    return state, StreamedTensors(place, metadata, records, tensors, progress)
+
+
+def _storage(metadata: Metadata, path: tuple[Any, ...]) -> Any:
+    return metadata.state_dict_metadata[name_of(path)]
+
+
+class StreamedTensors:
+    """The bytes of a state's tensors, read from a checkpoint directory as a writer asks for them.
+
+    Args:
+        place: the checkpoint directory.
+        metadata: its DCP metadata.
+        records: its entries' records, from the manifest; ``None`` where it has none (each tensor read whole).
+        tensors: the state's tensors, unread, by their names in ``metadata``.
+        progress: called with the bytes read so far and the total, after each window.
+    """
+
+    def __init__(
+        self,
+        place: Place,
+        metadata: Metadata,
+        records: dict[str, list[EntryRecord]] | None,
+        tensors: dict[str, torch.Tensor],
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self._place = place
+        self._metadata = metadata
+        self._records = records
+        self._saved = None if records is None else SavedTensors(place, records, metadata)
+        by_address = sorted((tensor.untyped_storage().data_ptr(), name) for name, tensor in tensors.items())
+        self._starts = [address for address, _ in by_address]
+        self._names = [name for _, name in by_address]
+        self._tensors = tensors
+        self._progress = progress
+        self._total = sum(tensor.nbytes for tensor in tensors.values())
+        self._done = 0
+        self._window: _Window | None = None
+        self._buffer = torch.empty(0, dtype=torch.uint8)  # the window's memory, reused
+        self._readings: dict[str, list[_Chunk] | None] = {}
+
+    def bytes_of(self, piece: memoryview) -> list[memoryview]:
+        """The bytes of ``piece``, a slice of one of the tensors' memory (see ``write_archive``'s ``source``)."""
+        address = numpy.frombuffer(piece, dtype=numpy.uint8).ctypes.data
+        index = bisect.bisect_right(self._starts, address) - 1
+        name = self._names[index]
+        start = address - self._starts[index]
+        stop = start + piece.nbytes
+        parts = []
+        while start < stop:  # a slice may run on into the next window
+            window = self._window
+            if window is None or window.name != name or not window.start <= start < window.stop:
+                self._window = None  # its memory free before the next is read
+                window = self._window = self._read(name, start)
+                self._done += window.stop - window.start
+                if self._progress is not None:
+                    self._progress(min(self._done, self._total), self._total)
+            end = min(stop, window.stop)
+            part = window.data[start - window.start : end - window.start]
+            parts.append(part if end == stop else memoryview(bytes(part)))  # the next window reuses the memory
+            start = end
+        return parts
+
+    def read_all(self) -> None:
+        """Read every tensor whole into its own memory (for a writer that reads the memory itself)."""
+        for name, tensor in self._tensors.items():
+            _load_whole(self._place, self._records, name, tensor)
+
+    def close(self) -> None:
+        if self._saved is not None:
+            self._saved.close()
+
+    def _read(self, name: str, start: int) -> _Window:
+        """The window of the tensor ``name`` that starts with the row holding its byte ``start``."""
+        tensor = self._tensors[name]
+        chunks = self._chunks(name, tensor)
+        if chunks is None:  # into memory of its own, freed once the writer is past it
+            whole = _load_whole(self._place, self._records, name, torch.empty_like(tensor))
+            data = tensor_bytes(whole)
+            return _Window(name, 0, data.nbytes, data)
+        shape = tuple(tensor.shape) or (1,)
+        row_bytes = math.prod(shape[1:]) * tensor.element_size()
+        first = start // row_bytes
+        last = min(shape[0], first + max(1, WINDOW_BYTES // row_bytes))
+        nbytes = (last - first) * row_bytes
+        if self._buffer.nbytes < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        rows = self._buffer[:nbytes].view(tensor.dtype).view(last - first, *shape[1:])
+        for chunk in chunks:
+            _read_rows(chunk, rows, first, last)
+        return _Window(name, first * row_bytes, last * row_bytes, tensor_bytes(rows))
+
+    def _chunks(self, name: str, tensor: torch.Tensor) -> list[_Chunk] | None:
+        """Each chunk of the tensor ``name``, its reading made at the tensor's first window; ``None`` where some chunk
+        is read whole (no manifest's records, or an earlier release's archive)."""
+        if name not in self._readings:
+            storage = self._metadata.state_dict_metadata[name]
+            assert isinstance(storage, TensorStorageMetadata)
+            chunks = []
+            for chunk in storage.chunks:
+                nbytes = math.prod(chunk.sizes) * tensor.element_size()
+                index = MetadataIndex(name, chunk.offsets)
+                reading = None if self._saved is None else self._saved.reading(index, nbytes)
+                chunks.append(_Chunk(tuple(chunk.offsets) or (0,), tuple(chunk.sizes) or (1,), reading))
+            self._readings[name] = None if any(chunk.reading is None for chunk in chunks) else chunks
+        return self._readings[name]
+
+
+def _read_rows(chunk: _Chunk, rows: torch.Tensor, first: int, last: int) -> None:
+    """Read what ``chunk`` holds of the rows ``[first, last)`` of its tensor into ``rows``, those rows: the chunk's
+    next bytes."""
+    offsets, sizes = chunk.offsets, chunk.sizes
+    low, high = max(first, offsets[0]), min(last, offsets[0] + sizes[0])
+    if low >= high:
+        return
+    assert chunk.reading is not None
+    region = rows[low - first : high - first]
+    for dim in range(1, len(sizes)):
+        region = region.narrow(dim, offsets[dim], sizes[dim])
+    if region.is_contiguous():  # the chunk holds whole rows: read straight into the window
+        chunk.reading.read_into(tensor_bytes(region))
+    else:  # a part of each row (a tensor sharded on another dimension): read, then put in place
+        part = torch.empty((high - low, *sizes[1:]), dtype=rows.dtype)
+        chunk.reading.read_into(tensor_bytes(part))
+        region.copy_(part)
+
+
+def _load_whole(
+    place: Place, records: dict[str, list[EntryRecord]] | None, name: str, into: torch.Tensor
+) -> torch.Tensor:
+    wanted = {name: into}
+    load(wanted, place, records)
+    return wanted[name]
+
+
+class _Chunk(NamedTuple):
+    """A saved chunk of a tensor (a scalar's as one row of one element) and the reading of its bytes."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    reading: ChunkReading | None
+
+
+class _Window:
+    """The bytes ``[start, stop)`` of a tensor's memory, read."""
+
+    def __init__(self, name: str, start: int, stop: int, data: memoryview) -> None:
+        self.name = name
+        self.start = start
+        self.stop = stop
+        self.data = data
