@@ -16,6 +16,7 @@ from ignite_zero.handlers import ConsolidateZeROHandler, SaveOnSignal
 from ignite_zero.latest import find_latest
 from ignite_zero.rng import RandomState
 from ignite_zero.storage import DiskSaver, ShardedSaver
+from ignite_zero.storage.formats.base import UnsafeCheckpointError
 from ignite_zero.storage.formats.file import IntegrityError, verify_file
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "FSDPModelState",
     "FSDPOptimizerState",
     "IntegrityError",
+    "UnsafeCheckpointError",
     "ModelCheckpoint",
     "PerRank",
     "RandomState",

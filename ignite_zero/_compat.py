@@ -635,3 +635,34 @@ def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length)
+
+
+__all__ += ["dcp_metadata_globals"]
+
+
+def dcp_metadata_globals() -> frozenset[tuple[str, str]]:
+    """The globals that DCP's ``.metadata`` is made of, by module and name (torch 2.11 to 2.14): its metadata
+    dataclasses, the private ``_StorageInfo`` of its file system writer, the enum of memory formats, the function
+    that finds a layout by its name, ``torch.Size`` and ``pathlib``'s paths (a ``StorageMeta``'s checkpoint id).
+    ``torch.<dtype>`` is admitted beside them. Nothing here runs code beyond building these values."""
+    metadata = "torch.distributed.checkpoint.metadata"
+    return frozenset(
+        {
+            (metadata, "Metadata"),
+            (metadata, "MetadataIndex"),
+            (metadata, "StorageMeta"),
+            (metadata, "TensorStorageMetadata"),
+            (metadata, "BytesStorageMetadata"),
+            (metadata, "ChunkStorageMetadata"),
+            (metadata, "TensorProperties"),
+            (metadata, "_MEM_FORMAT_ENCODING"),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            ("torch.serialization", "_get_layout"),
+            ("torch", "Size"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("pathlib", "PureWindowsPath"),
+            ("pathlib", "Path"),
+        }
+    )

@@ -566,8 +566,10 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                 checkpoint dictionary. With a single object in ``to_load``, the checkpoint may be that object's
                 state dict itself. From an object store, each rank reads only the tensors it needs, with ranged
                 reads.
-            weights_only: load the file with ``torch.load(..., weights_only=True)`` (default). Pass False only
-                for trusted files that hold arbitrary Python objects.
+            weights_only: read every pickle of the checkpoint as ``torch.load(..., weights_only=True)`` does
+                (default), a sharded directory's ``.metadata`` as DCP's metadata alone: nothing it holds runs code.
+                Pass False only for a checkpoint whose source you trust that holds arbitrary Python objects (see
+                the docs' Security page).
             sync_timeout: seconds every rank waits for the others to reach the same load.
             storage_options: options of the URL's file system (for S3: ``endpoint_url``, ``key``, ``secret``...),
                 as fsspec takes them.
@@ -575,6 +577,8 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
 
         Raises:
             ~ignite_zero.IntegrityError: the file is truncated or corrupt.
+            ~ignite_zero.UnsafeCheckpointError: the checkpoint holds a pickle that would run code (unless not
+                ``weights_only``).
             ValueError: the checkpoint has no entry for an object of ``to_load`` (ignite's error).
         """
         if not isinstance(checkpoint, (Mapping, str, Path)):

@@ -30,7 +30,7 @@ from ignite_zero.exporting import DTYPES, export
 from ignite_zero.storage import replicas
 from ignite_zero.storage.files import DiskSaver
 from ignite_zero.storage.formats import IntegrityError, Reader, reader_for
-from ignite_zero.storage.formats.base import human_size
+from ignite_zero.storage.formats.base import UnsafeCheckpointError, human_size
 from ignite_zero.storage.formats.consolidation import WINDOW_BYTES, streamed_state
 from ignite_zero.storage.formats.directory import DirectoryReader
 from ignite_zero.storage.places import is_url, split
@@ -146,7 +146,7 @@ def _consolidate(reader: Reader, target: str, options: Mapping[str, Any], out: T
         return 1
     started = time.perf_counter()
     progress = _Progress("consolidating")
-    state, tensors = streamed_state(reader.place, progress.update)
+    state, tensors = streamed_state(reader.place, progress.update, reader.trusted)
     try:
         DiskSaver(directory, require_empty=False, save_on_rank=0).write_streamed(
             state, name, tensors.bytes_of, tensors.read_all
@@ -200,6 +200,13 @@ def _parser() -> argparse.ArgumentParser:
         help="an option of a URL's file system, as fsspec takes it (for S3: endpoint_url=..., key=..., "
         "secret=...); repeat for several. VALUE is read as JSON where it parses (true, 3), else as text. The "
         "environment supplies the rest, as for any fsspec client (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).",
+    )
+    storage.add_argument(
+        "--trust",
+        action="store_true",
+        help="the checkpoint may run code when read: unpickle whatever it holds, as weights_only=False does in "
+        "Python. Only for a checkpoint whose source you vouch for; without it, a pickle that would build anything "
+        "but data is refused (exit status 1).",
     )
     inspect = commands.add_parser(
         "inspect",
@@ -312,6 +319,7 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
         max_shard_size=args.max_shard_size,
         progress=progress.update,
         storage_options=dict(args.storage_option) or None,
+        weights_only=not args.trust,
     )
     progress.close()
     total = sum(path.stat().st_size for path in files)
@@ -359,6 +367,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "export":
             return _export(args, sys.stdout)
         reader = reader_for(where, options or None)
+        reader.trusted = args.trust
         if not reader.exists():
             print(f"ignite-zero: {where} does not exist", file=sys.stderr)
             return 1
@@ -371,6 +380,6 @@ def _run(args: argparse.Namespace) -> int:
         return _consolidate(reader, args.target, options, sys.stdout)
     except BrokenPipeError:
         raise  # an OSError, but not the checkpoint's: main ends quietly
-    except (IntegrityError, KeyError, TypeError, ValueError, OSError) as error:
+    except (IntegrityError, UnsafeCheckpointError, KeyError, TypeError, ValueError, OSError) as error:
         print(f"ignite-zero: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
         return 1

@@ -55,6 +55,7 @@ def export(
     max_shard_size: int = 5 * 10**9,
     progress: Callable[[int, int], None] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    weights_only: bool = True,
 ) -> list[Path]:
     """Write the weights of the object ``only`` of a checkpoint as safetensors in the new directory ``target``.
 
@@ -74,6 +75,8 @@ def export(
         max_shard_size: largest shard, in bytes (one tensor larger than that is a shard of its own).
         progress: called as ``progress(bytes written, total bytes)`` after each tensor.
         storage_options: options of the file system of a ``source`` URL (for S3: ``endpoint_url``...).
+        weights_only: read the checkpoint's pickles as ``torch.load(..., weights_only=True)`` does (default):
+            anything but data is refused. Pass False only for a checkpoint whose source you trust.
 
     Returns:
         The files written.
@@ -81,6 +84,7 @@ def export(
     Raises:
         FileExistsError: ``target`` exists.
         KeyError: the checkpoint has no entry ``only``.
+        UnsafeCheckpointError: the checkpoint holds a pickle that would run code, unless not ``weights_only``.
 
     Examples:
         .. code-block:: python
@@ -99,6 +103,7 @@ def export(
     if target.exists():
         raise FileExistsError(f"{target} exists; export never overwrites: choose another directory")
     reader = reader_for(source, storage_options)
+    reader.trusted = not weights_only
     if reader.identity() is None:
         raise FileNotFoundError(f"Checkpoint {source} does not exist")
     # mapped tensors are not checked as they are read: all of them first; tensors read by ranges are checked as read

@@ -4,6 +4,7 @@ checkpoint (:class:`Reader`), and what the formats share (:class:`IntegrityError
 from __future__ import annotations
 
 import json
+import pickle
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ __all__ = [
     "Filled",
     "IntegrityError",
     "Reader",
+    "UnsafeCheckpointError",
     "Verification",
     "crc32",
     "entries_of",
@@ -36,6 +38,16 @@ __all__ = [
 
 class IntegrityError(RuntimeError):
     """A checkpoint file is truncated, corrupt, or not a checkpoint at all."""
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint holds a pickle that would run code, or build objects other than data, when loaded: refused.
+
+    Raised wherever a checkpoint is read (loading, ``find_latest``, ``inspect``, ``export``...) unless the user
+    vouches for it: ``weights_only=False`` in Python, ``--trust`` on the command line.
+
+    .. versionadded:: 0.1.0
+    """
 
 
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
@@ -107,6 +119,10 @@ class Reader(ABC):
 
     Attributes:
         path: where the checkpoint lies, as users name it: a path, or a URL.
+        trusted: whether its user vouches for it, so that it may run code when read (``--trust``): what
+            :meth:`listing` and :meth:`tensors` read is unpickled as ``weights_only=False`` would; :meth:`entries`
+            and :meth:`load` take their ``weights_only`` too. False by default (see
+            :mod:`~ignite_zero.storage.formats.trust`).
     """
 
     #: the extension of the checkpoints of this format, as its saver names them
@@ -117,6 +133,7 @@ class Reader(ABC):
     sharded: bool
 
     path: Path | str
+    trusted: bool = False
 
     @classmethod
     @abstractmethod

@@ -51,21 +51,23 @@ WINDOW_BYTES = 64 << 20
 
 
 def streamed_state(
-    place: Place, progress: Callable[[int, int], None] | None = None
+    place: Place, progress: Callable[[int, int], None] | None = None, trusted: bool = False
 ) -> tuple[dict[str, Any], StreamedTensors]:
     """The state of the checkpoint directory at ``place`` as one file holds it, its tensors unread, and the source
-    of their bytes.
+    of their bytes; ``trusted``: its pickles unpickled whatever they hold (see
+    :mod:`~ignite_zero.storage.formats.trust`).
 
     Raises:
+        UnsafeCheckpointError: a pickle of it holds anything but data, unless ``trusted``.
         IntegrityError: the directory has no manifest that records its entries and does not verify, or its
             ``.metadata`` is corrupt.
     """
     records = entry_records(read_manifest(place))
     if records is None:
         verify(place)
-    metadata = read_metadata(place, records)
+    metadata = read_metadata(place, records, trusted)
     values = template(metadata, lambda path: isinstance(_storage(metadata, path), BytesStorageMetadata))
-    load(values, place, records)  # the small values, read and checked now
+    load(values, place, records, trusted)  # the small values, read and checked now
     tensors = {
         name: torch.empty(storage.size, dtype=storage.properties.dtype)
         for name, storage in metadata.state_dict_metadata.items()
@@ -73,7 +75,7 @@ def streamed_state(
     }
     flat = {name: tensors[name] if name in tensors else values[name] for name in metadata.state_dict_metadata}
     state = {key: as_saved_optimizer_state(value) for key, value in nest(metadata, flat).items()}
-    return state, StreamedTensors(place, metadata, records, tensors, progress)
+    return state, StreamedTensors(place, metadata, records, tensors, progress, trusted)
 
 
 def _storage(metadata: Metadata, path: tuple[Any, ...]) -> Any:
@@ -89,6 +91,7 @@ class StreamedTensors:
         records: its entries' records, from the manifest; ``None`` where it has none (each tensor read whole).
         tensors: the state's tensors, unread, by their names in ``metadata``.
         progress: called with the bytes read so far and the total, after each window.
+        trusted: a directory without records is read by DCP, whose ``.metadata`` is then unpickled whatever it holds.
     """
 
     def __init__(
@@ -98,7 +101,9 @@ class StreamedTensors:
         records: dict[str, list[EntryRecord]] | None,
         tensors: dict[str, torch.Tensor],
         progress: Callable[[int, int], None] | None = None,
+        trusted: bool = False,
     ) -> None:
+        self._trusted = trusted
         self._place = place
         self._metadata = metadata
         self._records = records
@@ -139,7 +144,7 @@ class StreamedTensors:
     def read_all(self) -> None:
         """Read every tensor whole into its own memory (for a writer that reads the memory itself)."""
         for name, tensor in self._tensors.items():
-            _load_whole(self._place, self._records, name, tensor)
+            _load_whole(self._place, self._records, name, tensor, self._trusted)
 
     def close(self) -> None:
         if self._saved is not None:
@@ -150,7 +155,7 @@ class StreamedTensors:
         tensor = self._tensors[name]
         chunks = self._chunks(name, tensor)
         if chunks is None:  # into memory of its own, freed once the writer is past it
-            whole = _load_whole(self._place, self._records, name, torch.empty_like(tensor))
+            whole = _load_whole(self._place, self._records, name, torch.empty_like(tensor), self._trusted)
             data = tensor_bytes(whole)
             return _Window(name, 0, data.nbytes, data)
         shape = tuple(tensor.shape) or (1,)
@@ -201,10 +206,10 @@ def _read_rows(chunk: _Chunk, rows: torch.Tensor, first: int, last: int) -> None
 
 
 def _load_whole(
-    place: Place, records: dict[str, list[EntryRecord]] | None, name: str, into: torch.Tensor
+    place: Place, records: dict[str, list[EntryRecord]] | None, name: str, into: torch.Tensor, trusted: bool
 ) -> torch.Tensor:
     wanted = {name: into}
-    load(wanted, place, records)
+    load(wanted, place, records, trusted)
     return wanted[name]
 
 

@@ -57,6 +57,7 @@ from zlib_ng import zlib_ng
 from ignite_zero import _compat, staging
 from ignite_zero.storage.formats import torch_zip
 from ignite_zero.storage.formats.base import CLOSED_EARLY, IntegrityError
+from ignite_zero.storage.formats.trust import load_metadata, load_value
 from ignite_zero.storage.places import Place, place_of
 
 __all__ = [
@@ -280,14 +281,16 @@ class PlaceStorageReader(StorageReader):
     Args:
         place: the checkpoint directory.
         records: every file's entries, by name, from the manifest.
+        trusted: unpickle whatever ``.metadata`` holds (see :mod:`~ignite_zero.storage.formats.trust`).
     """
 
-    def __init__(self, place: Place, records: Mapping[str, Sequence[EntryRecord]]) -> None:
+    def __init__(self, place: Place, records: Mapping[str, Sequence[EntryRecord]], trusted: bool = False) -> None:
         super().__init__()
         self.place = place
         self._entries = _Entries(place, records)
         self._storage_data: dict[MetadataIndex, Any] = {}
         self._metadata: Metadata | None = None
+        self._trusted = trusted
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self._storage_data = {}
@@ -298,8 +301,9 @@ class PlaceStorageReader(StorageReader):
         if record is None or len(content) != record.length:
             where = self.place.location(METADATA)
             raise IntegrityError(f"{where} has {len(content)} bytes, not what its manifest says (truncated?)")
-        _check(zlib_ng.crc32(content), record.crc, str(self.place.location(METADATA)))
-        metadata = pickle.loads(content)
+        where = str(self.place.location(METADATA))
+        _check(zlib_ng.crc32(content), record.crc, where)
+        metadata = load_metadata(content, where, self._trusted)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         return metadata
@@ -602,15 +606,16 @@ class Fill:
     values: list[tuple[MetadataIndex, tuple[Any, ...]]]
     tensors: list[tuple[MetadataIndex, torch.Tensor]]
 
-    def read_values(self) -> None:
-        """Read each value and put it where it was in the state, as DCP's planner loads it."""
+    def read_values(self, weights_only: bool = True) -> None:
+        """Read each value and put it where it was in the state, as DCP's planner loads it (with
+        ``torch.load(..., weights_only=weights_only)``)."""
         for index, path in self.values:
             content = self.saved.read_entry(index)
             assert content is not None
             node: Any = self.state
             for step in path[:-1]:
                 node = node[step]
-            node[path[-1]] = torch.load(io.BytesIO(content), weights_only=False)
+            node[path[-1]] = load_value(content, f"{self.saved.place.location()}, entry {index.fqn}", weights_only)
 
     def read_tensors(self) -> None:
         """Read each tensor straight into its place."""

@@ -15,6 +15,7 @@ whose manifest records no entries (an earlier release's) is verified whole first
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import warnings
@@ -26,7 +27,13 @@ from typing import Any, cast
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from ignite_zero import _compat, deferred, tree
@@ -44,6 +51,7 @@ from ignite_zero.storage.formats.base import (
     written_by,
 )
 from ignite_zero.storage.formats.dcp_files import (
+    METADATA,
     EntryRecord,
     Fill,
     PlaceStorageReader,
@@ -51,6 +59,7 @@ from ignite_zero.storage.formats.dcp_files import (
     SavedTensor,
     SavedTensors,
 )
+from ignite_zero.storage.formats.trust import load_metadata, load_value
 from ignite_zero.storage.places import Place, place_of
 
 __all__ = [
@@ -76,7 +85,6 @@ __all__ = [
 
 #: The manifest that seals a sharded checkpoint directory: each file's size and CRC-32.
 MANIFEST = "ignite_zero.json"
-_METADATA = ".metadata"
 _FORMAT = "ignite_zero-sharded"
 _READ_CHUNK = 1 << 20
 
@@ -117,28 +125,62 @@ def writer_for(place: Place, thread_count: int, cache_staged_state_dict: bool = 
     return DirectoryWriter(place, thread_count, cache_staged_state_dict)
 
 
-def _reader_of(place: Place) -> Any:
+def _reader_of(place: Place, trusted: bool) -> Any:
     """DCP's own reader, for a directory whose manifest records no entries (written by an earlier release, or by
-    another tool): through fsspec, which reads a local directory and a URL alike."""
-    return _compat.DcpFsspecReader(str(place.location()), **(place.storage_options or {}))
+    another tool): through fsspec, which reads a local directory and a URL alike; its ``.metadata`` read safely."""
+    return _ForeignReader(place, trusted)
+
+
+class _ForeignReader(_compat.DcpFsspecReader):
+    """DCP's reader of a directory, whose ``.metadata`` is read through :func:`~.trust.load_metadata` (DCP's own
+    reader unpickles whatever it holds)."""
+
+    def __init__(self, place: Place, trusted: bool) -> None:
+        super().__init__(str(place.location()), **(place.storage_options or {}))
+        self._place = place
+        self._trusted = trusted
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        where = str(self._place.location(METADATA))
+        metadata = load_metadata(self._place.read(METADATA), where, self._trusted)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class _SafeValuesPlanner(DefaultLoadPlanner):
+    """DCP's planner of a load, which unpickles the values that are no tensors with ``torch.load``: here only after
+    ``torch.load(..., weights_only=True)`` took them, unless ``weights_only`` is False."""
+
+    def __init__(self, where: str, weights_only: bool) -> None:
+        super().__init__()
+        self._where = where
+        self._weights_only = weights_only
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        if self._weights_only:  # data alone: the load that follows builds nothing else
+            load_value(value.getbuffer(), f"{self._where}, entry {read_item.dest_index.fqn}", weights_only=True)
+            value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def is_sharded_checkpoint(where: str | os.PathLike | Place) -> bool:
     """Whether ``where`` is a complete DCP checkpoint directory (its ``.metadata`` written)."""
-    return place_of(where).is_file(_METADATA)
+    return place_of(where).is_file(METADATA)
 
 
 def is_committed(where: str | os.PathLike | Place) -> bool:
     """Whether the sharded checkpoint at ``where`` is complete: whole as its storage commits a directory (sealed by
     its manifest, where the ranks write in place), and with DCP's ``.metadata`` (which another tool's has too)."""
     place = place_of(where)
-    return place.is_whole(MANIFEST) and place.is_file(_METADATA)
+    return place.is_whole(MANIFEST) and place.is_file(METADATA)
 
 
 def check_committed(place: Place) -> None:
     """Raise :class:`IntegrityError` unless ``place`` is a complete checkpoint directory (see :func:`is_committed`)."""
     if not is_committed(place):
-        missing = _METADATA if place.is_whole(MANIFEST) else MANIFEST
+        missing = METADATA if place.is_whole(MANIFEST) else MANIFEST
         raise IntegrityError(f"{place} is not a complete checkpoint: it has no {missing} (interrupted save?)")
 
 
@@ -246,12 +288,25 @@ def file_crc(place: Place, name: str) -> int:
 
 
 def read_metadata(
-    where: str | os.PathLike | Place, records: Mapping[str, Sequence[EntryRecord]] | None = None
+    where: str | os.PathLike | Place,
+    records: Mapping[str, Sequence[EntryRecord]] | None = None,
+    trusted: bool = False,
 ) -> Metadata:
     """DCP's metadata of a checkpoint directory: every entry's name, shape and dtype, and where it lies; checked by
-    its CRC-32 with the manifest's ``records`` (see :func:`entry_records`)."""
+    its CRC-32 with the manifest's ``records`` (see :func:`entry_records`).
+
+    Args:
+        where: the directory.
+        records: the manifest's records of its entries.
+        trusted: unpickle whatever ``.metadata`` holds (see :mod:`~ignite_zero.storage.formats.trust`).
+
+    Raises:
+        UnsafeCheckpointError: ``.metadata`` holds anything but DCP's metadata, unless ``trusted``.
+        IntegrityError: it is corrupt.
+    """
     place = place_of(where)
-    return (_reader_of(place) if records is None else PlaceStorageReader(place, records)).read_metadata()
+    reader = _reader_of(place, trusted) if records is None else PlaceStorageReader(place, records, trusted)
+    return reader.read_metadata()
 
 
 def path_of(metadata: Metadata, name: str) -> tuple[Any, ...]:
@@ -313,21 +368,25 @@ def load(
     state: dict[str, Any],
     where: str | os.PathLike | Place,
     records: Mapping[str, Sequence[EntryRecord]] | None = None,
+    trusted: bool = False,
 ) -> None:
     """Fill ``state`` (flat template entries and nested ``DTensor`` states alike) from a checkpoint directory.
 
     Local: every rank reads what its own template names (on an object store, with ranged reads), so ranks need no
     collective to load. With the manifest's ``records`` (see :func:`entry_records`), each entry is read straight into
-    place and checked as it arrives; without, DCP's own reader reads the files (verified beforehand).
+    place and checked as it arrives; without, DCP's own reader reads the files (verified beforehand). Values that are
+    no tensors are read as ``torch.load(..., weights_only=True)`` reads them, unless ``trusted``.
 
     Raises:
         IntegrityError: an entry read is corrupt or truncated.
+        UnsafeCheckpointError: ``.metadata`` or a value holds anything but data, unless ``trusted``.
     """
     place = place_of(where)
-    reader = _reader_of(place) if records is None else PlaceStorageReader(place, records)
+    reader = _reader_of(place, trusted) if records is None else PlaceStorageReader(place, records, trusted)
+    planner = _SafeValuesPlanner(str(place.location()), weights_only=not trusted)
     try:
         with in_one_process():  # each rank reads its own
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
     except CheckpointException as error:  # DCP wraps every failure of a rank: what went wrong, as it was raised
         raise next(iter(error.failures.values()))[0] from None
 
@@ -404,7 +463,8 @@ class DirectoryReader(Reader):
         records = self._records()
         if records is None:
             verify(self.place)
-        metadata = read_metadata(self.place, records)
+        trusted = self.trusted or not weights_only
+        metadata = read_metadata(self.place, records, trusted)
         names = list(metadata.state_dict_metadata)
         sizes = {name: _nbytes(metadata.state_dict_metadata[name]) for name in names}
         total, done = sum(sizes.values()), 0
@@ -416,7 +476,7 @@ class DirectoryReader(Reader):
                 return name_of(path) in wanted
 
             part = template(metadata, keep)
-            load(part, self.place, records)
+            load(part, self.place, records, trusted)
             flat.update(part)
             done += sum(sizes[name] for name in batch)
             if progress is not None:
@@ -431,7 +491,7 @@ class DirectoryReader(Reader):
 
     def listing(self) -> dict[str, Any]:
         manifest = read_manifest(self.place)
-        metadata = read_metadata(self.place)
+        metadata = read_metadata(self.place, trusted=self.trusted)
         files = [name for name, is_directory in self.place.entries().items() if not is_directory]
         by_object: dict[str, list[dict[str, Any]]] = {}
         for name, storage in metadata.state_dict_metadata.items():
@@ -455,7 +515,7 @@ class DirectoryReader(Reader):
 
     def tensors(self, only: str) -> tuple[list[ExportedTensor], dict[str, str]]:
         records = self._records()
-        metadata = read_metadata(self.place, records)
+        metadata = read_metadata(self.place, records, self.trusted)
         found = []
         for flat_name, storage in metadata.state_dict_metadata.items():
             path = path_of(metadata, flat_name)
@@ -465,7 +525,7 @@ class DirectoryReader(Reader):
 
             def read(flat_name: str = flat_name, storage: Any = storage, dtype: torch.dtype = dtype) -> Any:
                 wanted = {flat_name: torch.empty(storage.size, dtype=dtype)}
-                load(wanted, self.place, records)  # this tensor alone, from every file that holds a part of it
+                load(wanted, self.place, records, self.trusted)  # this tensor alone, from every file holding a part
                 return wanted[flat_name]
 
             found.append(ExportedTensor(".".join(map(str, path[1:])), dtype, tuple(storage.size), read))
@@ -483,7 +543,8 @@ class DirectoryReader(Reader):
         of entries) is read whole now, into new tensors.
         """
         records = self._records()
-        metadata = read_metadata(self.place, records)
+        trusted = self.trusted or not weights_only
+        metadata = read_metadata(self.place, records, trusted)
         if records is not None and self._saved is None:
             self._saved = SavedTensors(self.place, records, metadata)
         saved = {path_of(metadata, name) for name in metadata.state_dict_metadata}
@@ -502,7 +563,7 @@ class DirectoryReader(Reader):
             if own is not None:
                 fill = None if self._saved is None or not into_objects else self._saved.plan({name_of(path): own})
                 if fill is not None:
-                    fill.read_values()  # into the template's own structures: nothing of the object changes
+                    fill.read_values(not trusted)  # into the template's own structures: nothing of the object changes
                     later[path] = fill
                 elif into_objects:  # to reshard: read now, into new tensors, before every rank's checks
                     own = cast(ShardedState, obj).sharded_template(relative, False)
@@ -518,9 +579,9 @@ class DirectoryReader(Reader):
         now.update({name_of(path): own for path, own in templates.items() if path not in later})
         fill = None if self._saved is None else self._saved.plan(now)
         if fill is None:  # DCP plans what needs resharding
-            load(now, self.place, records)
+            load(now, self.place, records, trusted)
         else:
-            fill.read_values()
+            fill.read_values(not trusted)
             fill.read_tensors()
         nested = nest(metadata, {name: now.get(name, value) for name, value in flat.items()})
 

@@ -53,6 +53,7 @@ from ignite_zero.storage.formats.base import (
     value_entry,
     written_by,
 )
+from ignite_zero.storage.formats.trust import refusing_code
 from ignite_zero.storage.places import READ_BLOCK, SMALL_READ_BLOCK, Place, StoredFile
 
 __all__ = [
@@ -613,7 +614,8 @@ class FileReader(Reader):
         self._existing()
         if self.place.maps_files:
             mmap = not is_legacy_format(self.stored)
-            loaded = torch.load(self.path, map_location="cpu", weights_only=weights_only, mmap=mmap)
+            with refusing_code(str(self.path)):
+                loaded = torch.load(self.path, map_location="cpu", weights_only=weights_only, mmap=mmap)
         else:
             loaded = self.read_tensors(self.structure(weights_only))
         if progress is not None:
@@ -622,7 +624,7 @@ class FileReader(Reader):
 
     def listing(self) -> dict[str, Any]:
         trailer = read_trailer(self.stored)
-        state = self.structure(weights_only=True)
+        state = self.structure(weights_only=not self.trusted)
         objects = []
         for name, value in state.items() if isinstance(state, Mapping) else [("(state)", state)]:
             entries = [
@@ -645,7 +647,7 @@ class FileReader(Reader):
     def tensors(self, only: str) -> tuple[list[ExportedTensor], dict[str, str]]:
         ranged = not self.place.maps_files
         # mapped: tensors are read when their bytes are; by ranged reads (an object store), one at a time when written
-        loaded = self.structure(weights_only=True) if ranged else self.load(weights_only=True)
+        loaded = self.structure(not self.trusted) if ranged else self.load(not self.trusted)
         mapped = not ranged and not is_legacy_format(self.stored)
         if not isinstance(loaded, Mapping):
             raise ValueError(f"{self.path} holds a {type(loaded).__name__}, not a state dict to export")
@@ -712,7 +714,7 @@ class FileReader(Reader):
                 "read in parts: copy it to a local file, or save it again in the default format"
             )
         # small blocks: the pickle is read in pieces, and every record's header by itself
-        with self.place.open(self.name, block_size=SMALL_READ_BLOCK) as f:
+        with self.place.open(self.name, block_size=SMALL_READ_BLOCK) as f, refusing_code(str(self.path)):
             return torch.load(f, map_location="meta", weights_only=weights_only)
 
     def read_tensors(self, entries: Any) -> Any:
