@@ -1,5 +1,6 @@
 """No checkpoint runs code when it is loaded, inspected, verified, exported, consolidated or searched, unless its user
-vouches for it (``weights_only=False``, ``--trust``)."""
+vouches for it (``weights_only=False``, ``--trust``); sizes and offsets read from a checkpoint are checked against
+its files before anything is allocated from them."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from training import assert_state_equal, tiny_model, train_step, zero_adam
 from ignite_zero import (
     Checkpoint,
     DiskSaver,
+    IntegrityError,
     RankFailureError,
     ShardedSaver,
     UnsafeCheckpointError,
@@ -246,6 +248,86 @@ def _load_poisoned(rank, world_size, directory, marker):
 def test_every_rank_refuses_a_poisoned_sharded_checkpoint(tmp_path):
     errors = run_ranks(_load_poisoned, 2, tmp_path / "ckpt", str(tmp_path / _MARKER))
     assert all("UnsafeCheckpointError" in error and "refused to unpickle" in error for error in errors)
+
+
+# --- sizes and offsets ----------------------------------------------------------------------------------------------
+
+
+def test_metadata_that_claims_more_than_the_files_hold_is_an_integrity_error(tmp_path):
+    for forge, message in (
+        (lambda m: _grow_tensor(m, 10**11), "claims more bytes than its chunks hold"),
+        (lambda m: _move_entry(m, 10**12), "which has .* bytes: corrupt or forged"),
+        (lambda m: _move_entry(m, -5), "corrupt or forged"),
+        (lambda m: _overlap_entries(m), "over each other"),
+    ):
+        directory = Path(_ours(tmp_path / str(len(message)) / message[:8].replace(" ", "-")))
+        path = directory / ".metadata"
+        metadata = pickle.loads(path.read_bytes())
+        forge(metadata)
+        content = pickle.dumps(metadata)
+        path.write_bytes(content)
+        (directory / sharded.MANIFEST).unlink()  # read as another tool's directory: only the sizes are checked
+        with pytest.raises(IntegrityError, match=message), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            Checkpoint.load_objects({"model": tiny_model(seed=1)}, str(directory))
+
+
+def _grow_tensor(metadata: Any, numel: int) -> None:
+    name = next(name for name in metadata.state_dict_metadata if name.endswith("weight"))
+    metadata.state_dict_metadata[name].size = torch.Size([numel, 7])
+
+
+def _move_entry(metadata: Any, offset: int) -> None:
+    index = next(iter(metadata.storage_data))
+    metadata.storage_data[index].offset = offset
+
+
+def _overlap_entries(metadata: Any) -> None:
+    first, second = list(metadata.storage_data.values())[:2]
+    second.offset = first.offset + 1
+
+
+def test_manifest_records_outside_their_file_are_an_integrity_error(tmp_path):
+    directory = Path(_ours(tmp_path))
+    manifest_path = directory / sharded.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    name = next(name for name in manifest["files"] if name.endswith(".distcp"))
+    manifest["files"][name]["records"][0][1] = 10**12  # an entry's length
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(IntegrityError, match="outside its .* bytes or over another entry"):
+        sharded.entry_records(sharded.read_manifest(directory))
+    with pytest.raises(IntegrityError):
+        Checkpoint.load_objects({"model": tiny_model(seed=1)}, str(directory))
+
+
+def test_a_file_whose_pickle_claims_more_than_the_file_is_an_integrity_error(tmp_path):
+    path = tmp_path / "plain.pt"
+    torch.save({"w": torch.ones(70_000)}, path)
+    data = path.read_bytes()
+    claimed = b"J" + (70_000).to_bytes(4, "little")
+    assert claimed in data
+    path.write_bytes(data.replace(claimed, b"J" + (0x7FFFFFFF).to_bytes(4, "little")))  # 8 GB of float32
+    with pytest.raises(IntegrityError, match="lies past the end of the file"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Checkpoint.load_objects({"w": _Holder()}, str(path))
+
+
+class _Holder:
+    def load_state_dict(self, state: Any) -> None:
+        raise AssertionError("nothing may be loaded from a forged file")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+def test_the_consolidation_of_a_copy_is_unaffected(tmp_path):
+    """A directory copied whole keeps loading: the checks compare with the files, not with where they were."""
+    directory = Path(_ours(tmp_path))
+    copy = tmp_path / "copy.dcp"
+    shutil.copytree(directory, copy)
+    model = tiny_model(seed=1)
+    Checkpoint.load_objects({"model": model}, str(copy))
+    assert_state_equal(model.state_dict(), tiny_model().state_dict())
 
 
 def test_reload_objects_refuses_code_unless_trusted(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import warnings
 import zlib
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
+    MetadataIndex,
     StorageMeta,
     TensorStorageMetadata,
 )
@@ -258,9 +260,26 @@ def entry_records(manifest: Mapping[str, Any] | None) -> dict[str, list[EntryRec
     if not files or not all("records" in listed for listed in files.values()):
         return None
     try:
-        return {name: [EntryRecord.from_json(r) for r in listed["records"]] for name, listed in files.items()}
-    except (TypeError, ValueError) as error:
+        records = {name: [EntryRecord.from_json(r) for r in listed["records"]] for name, listed in files.items()}
+        sizes = {name: int(listed["size"]) for name, listed in files.items()}
+    except (TypeError, ValueError, KeyError) as error:
         raise IntegrityError(f"The manifest's records are corrupt: {error}") from error
+    for name, part in records.items():
+        end = 0
+        for record in sorted(part, key=lambda record: record.offset):
+            data = record.data_offset
+            if (
+                record.offset < end
+                or record.offset + record.length > sizes[name]
+                or record.length < 0
+                or not (data == -1 or record.offset <= data <= record.offset + record.length)
+            ):
+                raise IntegrityError(
+                    f"The manifest records an entry of {name} at [{record.offset}, {record.offset + record.length}) "
+                    f"(data at {data}), outside its {sizes[name]} bytes or over another entry: corrupt or forged"
+                )
+            end = record.offset + record.length
+    return records
 
 
 def _check_listing(place: Place, manifest: Mapping[str, Any]) -> None:
@@ -293,7 +312,7 @@ def read_metadata(
     trusted: bool = False,
 ) -> Metadata:
     """DCP's metadata of a checkpoint directory: every entry's name, shape and dtype, and where it lies; checked by
-    its CRC-32 with the manifest's ``records`` (see :func:`entry_records`).
+    its CRC-32 with the manifest's ``records`` (see :func:`entry_records`), and against the sizes of the files.
 
     Args:
         where: the directory.
@@ -302,11 +321,53 @@ def read_metadata(
 
     Raises:
         UnsafeCheckpointError: ``.metadata`` holds anything but DCP's metadata, unless ``trusted``.
-        IntegrityError: it is corrupt.
+        IntegrityError: it is corrupt, or places an entry outside its file or over another, or gives a tensor more
+            bytes than its entries hold.
     """
     place = place_of(where)
     reader = _reader_of(place, trusted) if records is None else PlaceStorageReader(place, records, trusted)
-    return reader.read_metadata()
+    metadata = reader.read_metadata()
+    _check_bounds(place, metadata)
+    return metadata
+
+
+def _check_bounds(place: Place, metadata: Metadata) -> None:
+    """Sizes and offsets that ``.metadata`` gives must fit the files before anything is allocated from them: every
+    entry inside its file and over no other, every tensor's chunks within the tensor and their entries."""
+    sizes = place.file_sizes()
+    where = place.location(METADATA)
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in metadata.storage_data.items():
+        size = sizes.get(info.relative_path)
+        if size is None or info.offset < 0 or info.length < 0 or info.offset + info.length > size:
+            found_file = "is missing" if size is None else f"has {size} bytes"
+            raise IntegrityError(
+                f"{where} places entry {index.fqn} at [{info.offset}, {info.offset + info.length}) of "
+                f"{info.relative_path}, which {found_file}: corrupt or forged"
+            )
+        spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, index.fqn))
+    for name, found in spans.items():
+        found.sort()
+        for (_, end, first), (start, _, second) in zip(found, found[1:]):
+            if start < end:
+                raise IntegrityError(f"{where} places entries {first} and {second} of {name} over each other")
+    for fqn, storage in metadata.state_dict_metadata.items():
+        if not isinstance(storage, TensorStorageMetadata):
+            continue
+        itemsize = storage.properties.dtype.itemsize
+        held = 0
+        for chunk in storage.chunks:
+            info = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
+            inside = all(
+                0 <= offset and 0 <= length and offset + length <= extent
+                for offset, length, extent in zip(chunk.offsets, chunk.sizes, storage.size)
+            )
+            nbytes = math.prod(chunk.sizes) * itemsize
+            if info is None or not inside or len(chunk.sizes) != len(storage.size) or nbytes > info.length:
+                raise IntegrityError(f"{where}: a chunk of tensor {fqn} lies outside it or its entry (corrupt, forged)")
+            held += nbytes
+        if any(extent < 0 for extent in storage.size) or math.prod(storage.size) * itemsize > held:
+            raise IntegrityError(f"{where}: tensor {fqn} claims more bytes than its chunks hold: corrupt or forged")
 
 
 def path_of(metadata: Metadata, name: str) -> tuple[Any, ...]:

@@ -715,7 +715,9 @@ class FileReader(Reader):
             )
         # small blocks: the pickle is read in pieces, and every record's header by itself
         with self.place.open(self.name, block_size=SMALL_READ_BLOCK) as f, refusing_code(str(self.path)):
-            return torch.load(f, map_location="meta", weights_only=weights_only)
+            structure = torch.load(f, map_location="meta", weights_only=weights_only)
+        _map_tensors(functools.partial(_inside, self.path, self.stored.size), structure)
+        return structure
 
     def read_tensors(self, entries: Any) -> Any:
         """``entries`` with each meta tensor replaced by the tensor read from the file (storages shared as saved),
@@ -925,6 +927,19 @@ def _map_tensors(func: Callable[[torch.Tensor], torch.Tensor], value: Any) -> An
 def _replace(entries: Any, path: tree.Path, value: Any) -> None:
     parent = tree.get(entries, path[:-1])
     parent[path[-1]] = value
+
+
+def _inside(path: str | Path, size: int, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (on the meta device), if the bytes its pickle gives its storage lie inside the file of ``size``
+    bytes: checked before anything is allocated for them."""
+    storage = tensor.untyped_storage()
+    offset = _compat.storage_offset_in_file(storage)
+    if offset < 0 or offset + storage.nbytes() > size:
+        raise IntegrityError(
+            f"{path}: a storage of {storage.nbytes()} bytes at offset {offset} lies past the end of the file "
+            f"({size} bytes): corrupt or forged"
+        )
+    return tensor
 
 
 def _itself(value: torch.Tensor) -> torch.Tensor:
