@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from training import assert_state_equal, mixed_objects, small_net, tiny_model, train_step, zero_adam
 
-from ignite_zero import Checkpoint, DiskSaver, IntegrityError, transport
+from ignite_zero import Checkpoint, DiskSaver, IntegrityError, ShardedSaver, cli, transport
 from ignite_zero.adapters import ZeROState, adapt
 from ignite_zero.storage.formats.file import verify_file
 from ignite_zero.transport import Overlap
@@ -285,8 +285,8 @@ def _peak_resident() -> Iterator[Callable[[], int]]:
         sampler.join()
 
 
-def test_a_consolidated_save_past_4_gib_streams_and_loads_on_any_world_size(tmp_path):
-    # tmpfs where there is one: 4.3 GB written and read back four times
+def test_past_4_gib_consolidated_saves_and_consolidations_stream_and_load_anywhere(tmp_path):
+    # tmpfs where there is one: 4.3 GB written and read back four times, then saved sharded and consolidated
     scratch = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp_path))
     try:
         growth = run_ranks(_save_large, 2, scratch, timeout=240)
@@ -295,6 +295,7 @@ def test_a_consolidated_save_past_4_gib_streams_and_loads_on_any_world_size(tmp_
         assert growth[0] < 300 << 20, growth  # through the slots: not the 4.3 GB it receives and writes
         with zipfile.ZipFile(path) as archive:
             assert max(info.header_offset for info in archive.infolist()) > 0xFFFFFFFF
+            saved = _storages(archive)
         assert verify_file(path) is not None
         for world_size in (1, 2, 3):
             run_ranks(_load_large, world_size, path, timeout=240, init=world_size > 1)
@@ -313,8 +314,31 @@ def test_a_consolidated_save_past_4_gib_streams_and_loads_on_any_world_size(tmp_
             verify_file(path)
         with pytest.raises(IntegrityError, match="corrupt"):
             _load_large(0, 1, path)
+        path.unlink()
+
+        # the same state saved sharded, then consolidated by the command line in bounded memory: the same storages
+        run_ranks(_save_large_sharded, 2, scratch / "sharded", timeout=240)
+        (directory,) = (scratch / "sharded").glob("*.dcp")
+        target = scratch / "one.pt"
+        before = psutil.Process().memory_info().rss
+        with _peak_resident() as peak:
+            assert cli.main(["consolidate", str(directory), str(target)]) == 0
+        assert peak() - before < 300 << 20  # a window of rows, not the 4.3 GB it writes
+        shutil.rmtree(directory)
+        assert verify_file(target) is not None
+        with zipfile.ZipFile(target) as archive:
+            assert _storages(archive) == saved
     finally:
         shutil.rmtree(scratch)
+
+
+def _save_large_sharded(rank, world_size, directory):
+    Checkpoint({"model": _large_sharded()}, ShardedSaver(directory))(Engine(lambda e, b: None))
+
+
+def _storages(archive: zipfile.ZipFile) -> list[tuple[int, int]]:
+    """The size and CRC-32 of each storage an archive holds, in order."""
+    return [(info.file_size, info.CRC) for info in archive.infolist() if "/data/" in info.filename]
 
 
 def _assert_filled_plain(weight: torch.Tensor, index: int) -> None:
