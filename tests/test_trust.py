@@ -341,3 +341,11 @@ def test_reload_objects_refuses_code_unless_trusted(tmp_path):
     assert not marker.exists() and to_load["extra"].value is None
     handler.reload_objects(to_load, load_kwargs={"weights_only": False}, global_step=1)
     assert marker.exists() and to_load["extra"].value == "ran"
+
+
+def test_metadata_of_a_directory_that_lacks_files_is_read(tmp_path):
+    """One host's directory of a replicated checkpoint holds some of its files: what it lacks bounds nothing."""
+    directory = Path(_ours(tmp_path))
+    for path in directory.glob("*.distcp"):
+        path.unlink()
+    assert sharded.read_metadata(directory).state_dict_metadata
