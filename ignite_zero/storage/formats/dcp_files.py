@@ -69,6 +69,7 @@ __all__ = [
     "PlaceStorageWriter",
     "SavedTensor",
     "SavedTensors",
+    "metadata_of",
 ]
 
 #: The file DCP's metadata is written to, last: a directory without it is incomplete.
@@ -274,6 +275,17 @@ def _nbytes(item: WriteItem) -> int:
     return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
 
 
+def metadata_of(content: bytes, where: str, trusted: bool, load_id: str | None = None) -> Metadata:
+    """DCP's metadata from the bytes of ``.metadata``, read as :func:`~.trust.load_metadata` reads them, with the
+    storage facts DCP's readers add (``load_id``: the reader's, where it has one)."""
+    metadata = load_metadata(content, where, trusted)
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    if load_id is not None:
+        metadata.storage_meta.load_id = load_id
+    return metadata
+
+
 class PlaceStorageReader(StorageReader):
     """A DCP ``StorageReader`` of a checkpoint directory that :class:`PlaceStorageWriter` wrote: each entry read
     straight into place and checked as it arrives, by the records of the manifest.
@@ -298,15 +310,11 @@ class PlaceStorageReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         content = self.place.read(METADATA)
         record = self._entries.recorded(METADATA, 0)
-        if record is None or len(content) != record.length:
-            where = self.place.location(METADATA)
-            raise IntegrityError(f"{where} has {len(content)} bytes, not what its manifest says (truncated?)")
         where = str(self.place.location(METADATA))
+        if record is None or len(content) != record.length:
+            raise IntegrityError(f"{where} has {len(content)} bytes, not what its manifest says (truncated?)")
         _check(zlib_ng.crc32(content), record.crc, where)
-        metadata = load_metadata(content, where, self._trusted)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        return metadata
+        return metadata_of(content, where, self._trusted)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._metadata = metadata

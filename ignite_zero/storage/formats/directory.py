@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
-    StorageMeta,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
@@ -60,8 +59,9 @@ from ignite_zero.storage.formats.dcp_files import (
     PlaceStorageWriter,
     SavedTensor,
     SavedTensors,
+    metadata_of,
 )
-from ignite_zero.storage.formats.trust import load_metadata, load_value
+from ignite_zero.storage.formats.trust import load_value
 from ignite_zero.storage.places import Place, place_of
 
 __all__ = [
@@ -144,11 +144,7 @@ class _ForeignReader(_compat.DcpFsspecReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         where = str(self._place.location(METADATA))
-        metadata = load_metadata(self._place.read(METADATA), where, self._trusted)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return metadata
+        return metadata_of(self._place.read(METADATA), where, self._trusted, getattr(self, "load_id", None))
 
 
 class _SafeValuesPlanner(DefaultLoadPlanner):
