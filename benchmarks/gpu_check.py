@@ -4,7 +4,7 @@
     python benchmarks/gpu_check.py --device cpu    # the same checks on CPU and gloo, to try the script itself
 
 World size 1 on one GPU: the default process group is NCCL, and the adapters move host data over the gloo
-group ``ignite_zero.groups.cpu_group`` makes. For FSDP1 (flat and original parameters), FSDP1 with
+group ``ignite_zero.transport.groups.cpu_group`` makes. For FSDP1 (flat and original parameters), FSDP1 with
 ``CPUOffload(offload_params=True)``, FSDP2, FSDP2 with ``CPUOffloadPolicy`` and HSDP (FSDP2 on a 1 x 1 device
 mesh: placements ``(Replicate(), Shard(0))``, CUDA DTensors), a model and its unsharded twin
 (plain module and Adam on the GPU) train alike for 3 steps, then:

@@ -79,7 +79,7 @@ from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
 from ignite_zero.adapters import ZeROState
 from ignite_zero.adapters.fsdp import FSDPModelState, FSDPOptimizerState
 from ignite_zero.storage.places import fsync_path
-from ignite_zero.storage.sharded import share
+from ignite_zero.storage.savers.sharded import share
 
 #: Each path, and the floor its ratios are taken against.
 FLOORS = {

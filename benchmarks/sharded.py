@@ -58,7 +58,7 @@ from ignite.engine import Engine
 from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
 from ignite_zero.adapters import ZeROState
 from ignite_zero.adapters.fsdp import FSDPModelState, FSDPOptimizerState
-from ignite_zero.storage.sharded import share
+from ignite_zero.storage.savers.sharded import share
 
 PATHS = ("dcp.save", "sharded", "consolidated", "sharded async", "consolidated async", "memcpy")
 KINDS = ("zero", "fsdp2")

@@ -13,7 +13,7 @@ from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, CollectiveTimeoutError, 
 from ignite_zero.checkpoint import Checkpoint, ModelCheckpoint
 from ignite_zero.exporting import export
 from ignite_zero.handlers import ConsolidateZeROHandler, SaveOnSignal
-from ignite_zero.latest import find_latest
+from ignite_zero.loading.latest import find_latest
 from ignite_zero.rng import RandomState
 from ignite_zero.storage import DiskSaver, ShardedSaver
 from ignite_zero.storage.formats.base import UnsafeCheckpointError

@@ -6,7 +6,7 @@ what to save (the recipient's decision wins), the saver consolidates and writes,
 outcome, so that an error on one rank is an error on all of them instead of a hang. A save that holds no sharded
 object waits for nobody, as in ignite: the recipient writes, and it tells the other ranks its decision and
 its failures through the store, which they read without waiting. Where and how checkpoints are written is the
-saver's business (``ignite_zero.storage``); asynchronous saves run through ``ignite_zero.background``.
+saver's business (``ignite_zero.storage``); asynchronous saves run through ``ignite_zero.storage.savers.background``.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from ignite_zero import tree
 from ignite_zero._compat import CheckpointEvents
 from ignite_zero.adapters import ShardedState, adapt
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, RankFailureError, busy, peek, post, rank_and_world, settle
-from ignite_zero.background import BackgroundSaves
-from ignite_zero.latest import find_latest
-from ignite_zero.loading import restore
+from ignite_zero.loading.latest import find_latest
+from ignite_zero.loading.objects import restore
 from ignite_zero.naming import check_filename, global_step_of, read_name
 from ignite_zero.storage import Saver, SaveRequest, as_saver, replicas, saver_for
+from ignite_zero.storage.savers.background import BackgroundSaves
 
 __all__ = ["Checkpoint", "ModelCheckpoint"]
 
@@ -102,7 +102,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             exception in it; an error of a background save is raised there, on every rank, or by :meth:`wait`.
             ``last_checkpoint`` and ``SAVED_CHECKPOINT`` follow once the file is durable. Handlers pair their
             background rounds by the checkpoints they write, whatever order ranks create them in (see
-            ``ignite_zero.background``); a handler other than ours then runs in that thread too.
+            ``ignite_zero.storage.savers.background``); a handler other than ours then runs in that thread too.
 
     Examples:
         .. code-block:: python

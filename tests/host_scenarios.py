@@ -257,7 +257,7 @@ def replicated(workdir: Path, node_local: Path) -> dict[str, Any]:
 
     (fast_dir / "checkpoint_3.dcp" / "__1_0.distcp").unlink()  # on both hosts: a file that survives nowhere
     dist.barrier()
-    log = _warnings_of("ignite_zero.latest")
+    log = _warnings_of("ignite_zero.loading.latest")
     seen["after loss"] = find_latest([fast_dir, durable_dir])  # the second host lacks checkpoint_2.dcp
     seen["log"] = log
     fresh = _resumable(rank, seed=2)

@@ -369,15 +369,17 @@ EXAMPLES: dict[str, Example] = {
     "ignite_zero.staging.Stager": Example(2, stager, check=_full_on_recipient),
     "ignite_zero.handlers.ConsolidateZeROHandler": Example(2, zero, ("optimizer.pt",), _global_zero_state),
     "ignite_zero.handlers.SaveOnSignal": Example(0, plain, check=_not_stopped),
-    "ignite_zero.storage.files.DiskSaver": Example(2, object_store, ("ckpt/checkpoint_1.pt", "ckpt/checkpoint_2.pt")),
-    "ignite_zero.storage.sharded.ShardedSaver": Example(2, zero, ("ckpt/checkpoint_3.dcp/ignite_zero.json",)),
+    "ignite_zero.storage.savers.disk.DiskSaver": Example(
+        2, object_store, ("ckpt/checkpoint_1.pt", "ckpt/checkpoint_2.pt")
+    ),
+    "ignite_zero.storage.savers.sharded.ShardedSaver": Example(2, zero, ("ckpt/checkpoint_3.dcp/ignite_zero.json",)),
     "ignite_zero.checkpoint.Checkpoint": Example(2, zero, ("ckpt/checkpoint_2.pt", "ckpt/checkpoint_3.pt")),
     "ignite_zero.checkpoint.Checkpoint.load_latest": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
     "ignite_zero.checkpoint.Checkpoint.load_latest#2": Example(
         2, zero, ("local/ckpt/checkpoint_2.dcp/ignite_zero.json", "shared/ckpt/checkpoint_3.pt")
     ),
     "ignite_zero.checkpoint.ModelCheckpoint": Example(0, plain, ("models/run_checkpoint_2.pt",)),
-    "ignite_zero.latest.find_latest": Example(2, _saved(zero, "ckpt"), check=_found_the_saved_file),
+    "ignite_zero.loading.latest.find_latest": Example(2, _saved(zero, "ckpt"), check=_found_the_saved_file),
     "ignite_zero.exporting.export": Example(0, _saved(plain, "ckpt"), ("hf/model/model.safetensors",), _bf16_weights),
     "ignite_zero.rng.RandomState": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
     "ignite_zero.adapters.zero.ZeROState": Example(2, zero, ("ckpt/checkpoint_2.pt",)),

@@ -32,7 +32,7 @@ def _find(rank, world_size, dirname):
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("ignite_zero.latest").addHandler(handler)
+    logging.getLogger("ignite_zero.loading.latest").addHandler(handler)
     return find_latest(dirname), records
 
 

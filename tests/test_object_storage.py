@@ -34,8 +34,8 @@ from ignite_zero import (
     cli,
     find_latest,
 )
-from ignite_zero.integrity import SealingStream
 from ignite_zero.storage.formats import directory as sharded
+from ignite_zero.storage.formats.file import SealingStream
 from ignite_zero.storage.places import RemotePlace, StorageError
 
 pytestmark = pytest.mark.distributed

@@ -11,12 +11,12 @@ import torch
 from launcher import run_ranks
 
 from ignite_zero import ShardedSaver
-from ignite_zero.groups import cpu_group
 from ignite_zero.storage.formats import IntegrityError
 from ignite_zero.storage.formats.base import crc32
 from ignite_zero.storage.formats.torch_zip import tensor_bytes
 from ignite_zero.storage.places import LocalPlace
 from ignite_zero.storage.replicas import CHUNK_BYTES, Relay, check_arrived, layout_of
+from ignite_zero.transport.groups import cpu_group
 
 
 def test_partners_follow_the_host_names_not_the_ranks():

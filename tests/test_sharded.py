@@ -20,7 +20,7 @@ from training import assert_state_equal, mixed_objects, small_net, tiny_model, t
 from ignite_zero import Checkpoint, IntegrityError, RankFailureError, ShardedSaver, tree
 from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.places import LocalPlace
-from ignite_zero.storage.sharded import share
+from ignite_zero.storage.savers.sharded import share
 
 pytestmark = pytest.mark.distributed
 
@@ -271,7 +271,7 @@ class _Counter:
 
 
 def _stateful_values_saved_in_the_background(rank, world_size, dirname):
-    from ignite_zero.groups import cpu_group
+    from ignite_zero.transport.groups import cpu_group
 
     saver = ShardedSaver(dirname)
     state = {"counter": _Counter(3), "own": {f"x{rank}": torch.full((4,), float(rank))}}

@@ -22,8 +22,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from ignite_zero import pickling, transport
 from ignite_zero.adapters import regions as regions_module
 from ignite_zero.adapters.regions import Box, Pieces, Region, gather_pieces
-from ignite_zero.groups import cpu_group
 from ignite_zero.transport import DEFAULT_CHUNK_BYTES, gather_to, receive_from, send_failure, send_to
+from ignite_zero.transport.groups import cpu_group
 
 # Small chunks force packing, slicing of big tensors and partial rows of non-contiguous ones;
 # 100 bytes is not a multiple of 8 or 16 on purpose.

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ignite_zero import tree
 from ignite_zero.agreement import rank_and_world
-from ignite_zero.groups import cpu_group
+from ignite_zero.transport.groups import cpu_group
 
 __all__ = ["Part", "ShardedState", "copy_structure", "group_ranks"]
 
@@ -39,7 +39,8 @@ class ShardedState(ABC):
     """
 
     #: Whether ``load_state_dict`` takes only its parts of the entry's full tensors, each through
-    #: :func:`ignite_zero.deferred.realize`: a reader that cannot map the file then reads each part as it is taken.
+    #: :func:`ignite_zero.loading.deferred.realize`: a reader that cannot map the file then reads each part as it
+    #: is taken.
     loads_deferred = False
 
     def __init__(self, obj: Any, recipient_rank: int = 0) -> None:
@@ -138,7 +139,7 @@ class ShardedState(ABC):
 
         Args:
             dedicated: names a group of its own, kept apart from training collectives and other uses (see
-                :func:`ignite_zero.groups.cpu_group`). Create it on every rank at the same point, before use
+                :func:`ignite_zero.transport.groups.cpu_group`). Create it on every rank at the same point, before use
                 from another thread.
         """
         if not (dist.is_available() and dist.is_initialized()):

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ignite_zero import _compat, deferred, transport, tree
+from ignite_zero import _compat, transport, tree
 from ignite_zero.adapters.base import ShardedState, copy_structure, group_ranks
-from ignite_zero.groups import cpu_group
+from ignite_zero.loading import deferred
+from ignite_zero.transport.groups import cpu_group
 
 __all__ = ["OptimizerStatePart", "ZeROState", "consolidate", "recipient_keyword", "as_saved_optimizer_state"]
 
@@ -277,7 +278,7 @@ class ZeROState(ShardedState):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore this rank's partition from a global optimizer state; tensors of a checkpoint that are still to
-        be read (``ignite_zero.deferred``) are read straight into the optimizer's state tensors where they fit,
+        be read (``ignite_zero.loading.deferred``) are read straight into the optimizer's state tensors where they fit,
         which the optimizer then keeps: 0.2 GB read from tmpfs took 0.43 s into new memory (its page faults), 0.12 s
         into tensors that exist."""
         self.check_entry(state_dict)

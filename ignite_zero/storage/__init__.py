@@ -1,18 +1,13 @@
-"""Storage: the saver protocol (:class:`Saver`) between the policy and where checkpoints live, its savers, and the
-checkpoint formats (:mod:`ignite_zero.storage.formats`).
+"""Storage: the savers behind the protocol between the policy and where checkpoints live, the checkpoint formats,
+the places that hold them, and the replicas of sharded checkpoints on node-local disks.
 
 =================  ===================================================================================
-``base``           the protocol: :class:`Saver`, :class:`SaveRequest`
-``consolidated``   savers that gather the full state on the recipient, then write it in one piece
-``directory``      what the local savers share: the directory, the writing rank, names, retention
-``files``          :class:`DiskSaver`: one durable file per checkpoint
-``sharded``        :class:`ShardedSaver`: a DCP directory that every rank writes its part of
-``replicas``       a sharded directory on node-local disks, kept on several hosts: who keeps whose files, moving
-                   them between hosts, completing a host's copy before a load
-``handler``        :class:`HandlerSaver`: any other ignite handler, called as ignite calls it
+``savers``         where and when a checkpoint is written (:mod:`ignite_zero.storage.savers`)
 ``formats``        the checkpoint formats, one module each: how each is written, verified, listed and read
 ``places``         where checkpoints live (a local directory or an object store's prefix), and how a write is
                    committed there
+``replicas``       a sharded directory on node-local disks, kept on several hosts: who keeps whose files, moving
+                   them between hosts, completing a host's copy before a load
 =================  ===================================================================================
 """
 
@@ -21,11 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ignite_zero.storage.base import Saver, SaveRequest
-from ignite_zero.storage.consolidated import ConsolidatingSaver
-from ignite_zero.storage.files import DiskSaver
-from ignite_zero.storage.handler import HandlerSaver
-from ignite_zero.storage.sharded import ShardedSaver
+from ignite_zero.storage.savers.base import Saver, SaveRequest
+from ignite_zero.storage.savers.consolidated import ConsolidatingSaver
+from ignite_zero.storage.savers.disk import DiskSaver
+from ignite_zero.storage.savers.ignite_handler import HandlerSaver
+from ignite_zero.storage.savers.sharded import ShardedSaver
 
 __all__ = [
     "ConsolidatingSaver",

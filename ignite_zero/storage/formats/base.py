@@ -167,7 +167,8 @@ class Reader(ABC):
     @abstractmethod
     def entries(self, objects: Mapping, weights_only: bool, into_objects: bool = False) -> Any:
         """The entry of every object of ``objects`` (nested as ``objects``): what this rank loads. Nothing of the
-        objects changes here: tensors read when an object is restored are deferred (:mod:`ignite_zero.deferred`), or
+        objects changes here: tensors read when an object is restored are deferred
+        (:mod:`ignite_zero.loading.deferred`), or
         given in :class:`Filled` with what is still to read.
 
         Args:
@@ -203,7 +204,7 @@ class Reader(ABC):
         """
 
     def close(self) -> None:
-        """End the reads of deferred tensors that :meth:`entries` gave (:mod:`ignite_zero.deferred`)."""
+        """End the reads of deferred tensors that :meth:`entries` gave (:mod:`ignite_zero.loading.deferred`)."""
         return None
 
     def __enter__(self) -> Reader:

@@ -37,9 +37,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from ignite_zero import _compat, deferred, tree
+from ignite_zero import _compat, tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.adapters.zero import as_saved_optimizer_state
+from ignite_zero.loading import deferred
 from ignite_zero.storage.formats.base import (
     ExportedTensor,
     Filled,
@@ -382,7 +383,7 @@ def template(
 ) -> dict[str, Any]:
     """A flat template to read the entries whose path ``keep`` accepts: tensors allocated from the metadata (read
     whole, whatever the sharding they were saved with), ``None`` for other values. With ``saved``, the tensors are
-    deferred instead (:mod:`ignite_zero.deferred`), each read from ``saved`` when its object takes it."""
+    deferred instead (:mod:`ignite_zero.loading.deferred`), each read from ``saved`` when its object takes it."""
     flat: dict[str, Any] = {}
     for name, storage in metadata.state_dict_metadata.items():
         if not keep(path_of(metadata, name)):

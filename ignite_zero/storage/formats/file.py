@@ -35,9 +35,10 @@ from typing import IO, Any, NamedTuple, Protocol, cast
 import torch
 from zlib_ng import zlib_ng
 
-from ignite_zero import _compat, deferred, tree
+from ignite_zero import _compat, tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.agreement import rank_and_world
+from ignite_zero.loading import deferred
 from ignite_zero.storage.formats.base import (
     CLOSED_EARLY,
     ExportedTensor,
@@ -560,7 +561,7 @@ class FileReader(Reader):
     Mapped with ``mmap`` where it can be, so that the ranks of one host share its pages. On an object store, each
     rank reads the file's structure, then only what its objects need, with ranged reads checked as they arrive
     (:class:`ReadChecks`): the tensors of whole entries, the partition of a ZeRO optimizer, and, for FSDP objects,
-    the elements of each tensor their shards hold, read as they load (:mod:`ignite_zero.deferred`).
+    the elements of each tensor their shards hold, read as they load (:mod:`ignite_zero.loading.deferred`).
 
     Args:
         place: its directory.
@@ -679,7 +680,8 @@ class FileReader(Reader):
         return found, aliases
 
     def entries(self, objects: Mapping, weights_only: bool, into_objects: bool = False) -> Any:
-        """What ``objects`` load, its tensors deferred (:mod:`ignite_zero.deferred`): each is read when it is loaded,
+        """What ``objects`` load, its tensors deferred (:mod:`ignite_zero.loading.deferred`): each is read when it is
+        loaded,
         straight into the tensor it is loaded into where the layouts allow, or into a new one, each block checked as it
         arrives (:class:`ReadChecks`). A rank reads its part of each sharded entry only (FSDP's parts of each tensor,
         its partition of a ZeRO optimizer's state), once: verifying the file first, then mapping and copying it,
@@ -754,7 +756,7 @@ def _is_structure(record: str) -> bool:
 
 
 class _Parts:
-    """Reads the views of a file's tensors that FSDP objects take (a :class:`~ignite_zero.deferred.Source`): the
+    """Reads the views of a file's tensors that FSDP objects take (a :class:`~ignite_zero.loading.deferred.Source`): the
     bytes from the view's first element to its last, in the checked spans that hold them."""
 
     def __init__(self, reader: FileReader) -> None:

@@ -16,8 +16,8 @@ from torch.distributed.tensor import DTensor
 from ignite_zero import tree
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.naming import check_filename
-from ignite_zero.storage.base import Saver
 from ignite_zero.storage.places import Place, place_of
+from ignite_zero.storage.savers.base import Saver
 
 __all__ = [
     "DirectorySaver",

@@ -11,7 +11,7 @@ agreement (:func:`ignite_zero.agreement.settle`):
 1. Every rank says whether it sees the file (and which: size and integrity trailer), and what part of each
    sharded entry it needs (:meth:`ShardedState.part_needed`).
 2. Ranks that see the file read its structure, checked: the entries, their tensors still to be read
-   (:mod:`ignite_zero.deferred`). The first rank that sees it, where some rank does not (a private or node-local
+   (:mod:`ignite_zero.loading.deferred`). The first rank that sees it, where some rank does not (a private or node-local
    directory), verifies it whole, maps it with ``mmap`` and sends every rank that does not see it only the part it
    asked for. Every rank then checks its entries (reading the small ones of per-rank state), and nothing is loaded
    anywhere unless every check passed.
@@ -36,12 +36,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ignite_zero import deferred, transport, tree
+from ignite_zero import transport, tree
 from ignite_zero.adapters import ShardedState, adapt, in_loadable_form
 from ignite_zero.agreement import rank_and_world, settle
-from ignite_zero.groups import cpu_group
+from ignite_zero.loading import deferred
 from ignite_zero.storage import replicas
 from ignite_zero.storage.formats import Filled, Reader, entries_of, reader_for
+from ignite_zero.transport.groups import cpu_group
 
 __all__ = ["restore"]
 

@@ -21,17 +21,17 @@ import torch
 from ignite_zero import _compat, transport
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.naming import check_filename
-from ignite_zero.storage.base import SaveRequest
-from ignite_zero.storage.consolidated import ConsolidatingSaver
-from ignite_zero.storage.directory import (
+from ignite_zero.storage.formats import torch_zip
+from ignite_zero.storage.formats.file import SealingStream
+from ignite_zero.storage.places import Place
+from ignite_zero.storage.savers.base import SaveRequest
+from ignite_zero.storage.savers.consolidated import ConsolidatingSaver
+from ignite_zero.storage.savers.destination import (
     DirectorySaver,
     check_room,
     package_version,
     serialized_size,
 )
-from ignite_zero.storage.formats import torch_zip
-from ignite_zero.storage.formats.file import SealingStream
-from ignite_zero.storage.places import Place
 
 __all__ = ["DiskSaver"]
 

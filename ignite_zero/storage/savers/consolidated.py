@@ -18,7 +18,7 @@ from typing import Any
 from ignite_zero import transport, tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.staging import Stager
-from ignite_zero.storage.base import Saver, SaveRequest, unwrapped
+from ignite_zero.storage.savers.base import Saver, SaveRequest, unwrapped
 
 __all__ = ["ConsolidatingSaver"]
 

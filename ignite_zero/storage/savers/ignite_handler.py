@@ -11,8 +11,8 @@ from typing import Any
 from ignite.handlers import DiskSaver as IgniteDiskSaver
 from ignite.handlers.checkpoint import BaseSaveHandler
 
-from ignite_zero.storage.base import SaveRequest
-from ignite_zero.storage.consolidated import ConsolidatingSaver
+from ignite_zero.storage.savers.base import SaveRequest
+from ignite_zero.storage.savers.consolidated import ConsolidatingSaver
 
 __all__ = ["HandlerSaver"]
 

@@ -37,10 +37,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ignite_zero.agreement import rank_and_world, settle
-from ignite_zero.groups import cpu_group
 from ignite_zero.storage.formats.base import IntegrityError, crc32
 from ignite_zero.storage.formats.directory import MANIFEST, file_crc, read_manifest
 from ignite_zero.storage.places import LocalPlace, Place, split
+from ignite_zero.transport.groups import cpu_group
 
 __all__ = [
     "CHUNK_BYTES",

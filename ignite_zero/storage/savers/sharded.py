@@ -24,19 +24,19 @@ from ignite_zero.agreement import (
     round_members,
     settle,
 )
-from ignite_zero.groups import cpu_group, discard_group
 from ignite_zero.naming import check_filename
 from ignite_zero.storage import replicas as replicas_
-from ignite_zero.storage.base import SaveRequest
-from ignite_zero.storage.directory import (
+from ignite_zero.storage.formats import directory as sharded
+from ignite_zero.storage.formats.dcp_plans import SavePlanning, as_saved
+from ignite_zero.storage.places import Place
+from ignite_zero.storage.savers.base import SaveRequest
+from ignite_zero.storage.savers.destination import (
     DirectorySaver,
     check_room,
     package_version,
     serialized_size,
 )
-from ignite_zero.storage.formats import directory as sharded
-from ignite_zero.storage.formats.dcp_plans import SavePlanning, as_saved
-from ignite_zero.storage.places import Place
+from ignite_zero.transport.groups import cpu_group, discard_group
 
 __all__ = ["ShardedSaver", "share"]
 
@@ -272,7 +272,7 @@ class ShardedSaver(DirectorySaver):
         function that writes it and seals the directory, to run in another thread.
 
         The host copies are kept for the next save; ``group`` is the gloo group that replicas travel over, one of
-        the stream's own (see :func:`ignite_zero.groups.cpu_group`), since they travel beside training.
+        the stream's own (see :func:`ignite_zero.transport.groups.cpu_group`), since they travel beside training.
         """
         state = as_saved(state)
         writer, planning = self._begin(state, filename, timeout, stream, ranks, cache=True)

@@ -20,7 +20,7 @@ Whole objects travel on the stream: :func:`send_to` / :func:`receive_from` point
 :func:`gather_to` (e.g. each rank's local ZeRO optimizer state) to one rank, which gets views of one flat buffer
 per (sender, dtype). :func:`ignite_zero.adapters.regions.gather_pieces` builds on the headers and streams to
 assemble full tensors from the regions that ranks hold (FSDP shards). The gloo groups they run on come from
-:mod:`ignite_zero.groups`.
+:mod:`ignite_zero.transport.groups`.
 
 Within :func:`overlapped` (a consolidated save), every rank sends or receives the streams of its gathers in the
 background, one after the other in a thread of its own, and the gathers return at once: the saver writes the
@@ -52,8 +52,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ignite_zero import staging
-from ignite_zero.groups import cpu_backend
 from ignite_zero.pickling import join_tensors, split_tensors
+from ignite_zero.transport.groups import cpu_backend
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
