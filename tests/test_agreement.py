@@ -8,7 +8,15 @@ import torch
 import torch.distributed as dist
 from launcher import run_ranks
 
-from ignite_zero.agreement import CollectiveTimeoutError, RankFailureError, agree, busy, settle
+from ignite_zero.agreement import (
+    CollectiveTimeoutError,
+    RankFailureError,
+    agree,
+    busy,
+    hosts_of_ranks,
+    settle,
+    together,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -158,3 +166,50 @@ def test_a_rank_that_missed_a_round_is_given_up_on_at_once_by_the_next_round_of_
         assert "Call it on every rank" not in second  # a rank that came late to a round that could not succeed
         assert second_elapsed < 0.5
         assert payloads == [0, 1, 2]
+
+
+def _together(rank, world_size):
+    with together("sum of ranks", timeout=10) as side:
+        side.payload = rank * 2
+    errors = []
+    with pytest.raises(RankFailureError) as info:
+        with together("listing", timeout=10) as failing:
+            if rank == 1:
+                raise FileNotFoundError("no such directory: /gone")
+            failing.payload = "fine"
+    errors.append((str(info.value), type(info.value.__cause__).__name__ if info.value.__cause__ else None))
+    return side.payloads, errors
+
+
+def test_together_shares_payloads_and_raises_one_ranks_failure_on_every_rank():
+    results = run_ranks(_together, 3)
+    for rank, (payloads, [(text, cause)]) in enumerate(results):
+        assert payloads == [0, 2, 4]
+        assert "The listing failed on 1 of 3 ranks: rank 1: FileNotFoundError: no such directory: /gone" in text
+        assert cause == ("FileNotFoundError" if rank == 1 else None)
+
+
+def _hosts_once(rank, world_size):
+    from ignite_zero.agreement import hosts as hosts_module
+
+    first = hosts_of_ranks(timeout=10)
+    asked = hosts_module.agree
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host names were exchanged twice")
+
+    hosts_module.agree = refuse
+    try:
+        second = hosts_of_ranks(timeout=10)
+    finally:
+        hosts_module.agree = asked
+    return first, second is first, first.first_rank(rank), first.is_first(rank), first.first_ranks
+
+
+def test_hosts_are_exchanged_once_per_group_and_name_each_hosts_first_rank():
+    results = run_ranks(_hosts_once, 3)
+    names = results[0][0].names
+    assert len(names) == 3 and len(set(names)) == 1  # one host here: rank 0 acts for it
+    for rank, (found, remembered, first, is_first, firsts) in enumerate(results):
+        assert found.names == names and remembered
+        assert (first, is_first, firsts) == (0, rank == 0, [0])

@@ -173,7 +173,7 @@ def _what_saves_exchange(rank, world_size, dirname):
     took, and the object collectives of the process group it ran."""
     import torch.distributed as dist
 
-    from ignite_zero import agreement
+    from ignite_zero.agreement import rounds as agreement
 
     objects = mixed_objects("fsdp2", rank)
     trainer = objects["trainer"]
@@ -291,7 +291,7 @@ def test_stateful_values_are_saved_by_their_state_dict_in_the_background_too(tmp
 
 
 def _rounds_of_a_load(rank, world_size, directory, kind):
-    from ignite_zero import agreement
+    from ignite_zero.agreement import rounds as agreement
 
     rounds = []
     agree = agreement.agree
