@@ -449,9 +449,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                 fast.load_latest(to_save, places=["local/ckpt", "shared/ckpt"])
                 trainer.run(loader, max_epochs=3)
 
-        .. versionadded:: 0.2.0
-        .. versionchanged:: 0.2.0
-            ``places``.
+        .. versionadded:: 0.1.0
         """
         directory = self.saver.directory
         if directory is None and places is None:

@@ -97,7 +97,7 @@ def export(
 
             weights = load_file("hf/model/model.safetensors")
 
-    .. versionadded:: 0.2.0
+    .. versionadded:: 0.1.0
     """
     target = Path(target)
     if target.exists():

@@ -186,7 +186,7 @@ class SaveOnSignal:
             if stop.stopped_at is not None:
                 sys.exit(3)  # stopped early, checkpoint saved: e.g. requeue the job
 
-    .. versionadded:: 0.2.0
+    .. versionadded:: 0.1.0
     """
 
     def __init__(

@@ -34,7 +34,7 @@ class RandomState:
             to_save = {"model": model, "optimizer": optimizer, "trainer": trainer, "rng": RandomState()}
             trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, "ckpt"))
 
-    .. versionadded:: 0.2.0
+    .. versionadded:: 0.1.0
     """
 
     def state_dict(self) -> dict[str, Any]:

@@ -85,7 +85,7 @@ class ShardedState(ABC):
         Loading prepares every object's entry before it loads any. An adapter whose check works out how to load
         (which elements of which tensor go where) keeps that work for the load instead of doing it twice.
 
-        .. versionadded:: 0.2.0
+        .. versionadded:: 0.1.0
         """
         self.check_entry(state_dict, *args, **kwargs)
         return functools.partial(self.load_state_dict, state_dict, *args, **kwargs)

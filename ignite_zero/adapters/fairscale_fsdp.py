@@ -99,7 +99,7 @@ def is_fairscale_fsdp_module(module: Any) -> bool:
             assert is_fairscale_fsdp_module(model)
             assert not is_fairscale_fsdp_module(torch.nn.Linear(2, 2))
 
-    .. versionadded:: 0.2.0
+    .. versionadded:: 0.1.0
     """
     return isinstance(module, nn.Module) and any(_compat.is_fairscale_fsdp(m) for m in module.modules())
 
@@ -114,7 +114,7 @@ def holds_fairscale_fsdp_parameters(optimizer: torch.optim.Optimizer) -> bool:
     Args:
         optimizer: any optimizer.
 
-    .. versionadded:: 0.2.0
+    .. versionadded:: 0.1.0
     """
     return any(_compat.is_fairscale_fsdp_param(p) for group in optimizer.param_groups for p in group["params"])
 
@@ -355,7 +355,7 @@ class FairscaleFSDPModelState(_FairscaleState):
             # stock ignite, on every rank (ignite_zero.Checkpoint does this by itself):
             trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, DiskSaver("ckpt")))
 
-    .. versionadded:: 0.2.0
+    .. versionadded:: 0.1.0
     """
 
     def __init__(self, module: nn.Module, recipient_rank: int = 0, *, name: str | None = None) -> None:
@@ -429,7 +429,7 @@ class FairscaleFSDPOptimizerState(_FairscaleState):
             ...
             state.load_state_dict(torch.load(path, mmap=True, weights_only=True)["optimizer"])
 
-    .. versionadded:: 0.2.0
+    .. versionadded:: 0.1.0
     """
 
     def __init__(

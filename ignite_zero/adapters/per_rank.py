@@ -35,7 +35,7 @@ class PerRank(ShardedState):
             to_save = {"model": model, "optimizer": optimizer, "rng": RandomState(), "sampler": PerRank(sampler)}
             trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, "ckpt"))
 
-    .. versionadded:: 0.2.0
+    .. versionadded:: 0.1.0
     """
 
     def __init__(self, obj: Any, recipient_rank: int = 0) -> None:

@@ -77,9 +77,7 @@ def find_latest(
             if path is not None:
                 Checkpoint.load_objects(to_load=to_save, checkpoint=path)
 
-    .. versionadded:: 0.2.0
-    .. versionchanged:: 0.2.0
-        ``place`` may be an fsspec URL, with ``storage_options``, or a list of places.
+    .. versionadded:: 0.1.0
     """
     named = [place] if isinstance(place, (str, os.PathLike)) else list(place)
     directories: list[Place] = []

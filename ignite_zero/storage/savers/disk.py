@@ -84,8 +84,6 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
             saver = DiskSaver("s3://bucket/run", require_empty=False, storage_options={"endpoint_url": endpoint})
 
     .. versionadded:: 0.1.0
-    .. versionchanged:: 0.2.0
-        ``dirname`` may be an fsspec URL, with ``storage_options``.
     """
 
     def __init__(

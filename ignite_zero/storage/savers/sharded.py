@@ -111,10 +111,6 @@ class ShardedSaver(DirectorySaver):
             Checkpoint.load_objects(to_load=to_save, checkpoint="ckpt/checkpoint_3.dcp")
 
     .. versionadded:: 0.1.0
-    .. versionchanged:: 0.2.0
-        ``dirname`` may be an fsspec URL, with ``storage_options``. Each rank writes DCP's files itself, straight
-        from its tensors' memory, and the manifest records each entry's CRC-32: a load reads each entry straight into
-        place and checks it as it arrives, instead of verifying every file whole first. ``replicas``.
     """
 
     ext = "dcp"
@@ -250,9 +246,6 @@ class ShardedSaver(DirectorySaver):
             timeout: seconds ranks wait for each other around the write.
             stream: stream of agreement rounds (see :func:`ignite_zero.agreement.agree`).
             ranks: the ranks that write; one rank alone writes the whole directory without collectives.
-
-        .. versionchanged:: 0.2.0
-            No ``group``: DCP's plans and results travel in the saver's own rounds, through the store.
         """
         state = as_saved(state)
         writer, planning = self._begin(state, filename, timeout, stream, ranks, cache=False)
