@@ -415,9 +415,8 @@ def _leave_together(store: dist.Store, counter: str, rank: int, ranks: list[int]
 
     It waits a tenth of ``timeout`` (at least 1 s), not ``timeout``: every rank of ``ranks`` has posted already and
     reads the outcome within one pause of the store, so one that has not counted itself out by then died after it
-    posted (a host lost in the middle of a round), or is stalled far longer than a pause. Waiting ``timeout`` for it
-    doubled the time in which the others raise after a host is lost (10 s instead of 5 with ``sync_timeout=5``, in
-    tests/test_hosts.py); a tenth leaves 12 s, with the default, to a rank that the machine keeps waiting.
+    posted (a host lost in the middle of a round), or is stalled far longer than a pause; waiting the whole
+    ``timeout`` for it would double the time in which the others learn that a host is lost.
     """
     if store.add(counter, 1) >= len(ranks) or rank != ranks[0]:
         return
@@ -431,8 +430,8 @@ def _pauses(world_size: int) -> Iterator[float]:
     """Seconds between two looks at the store while waiting for ranks: from 50 us, doubling up to 1 ms a rank (50 ms
     at most), so that the ranks together look about 1,000 times a second (each look costs the store two requests).
 
-    Ranks that arrive together are apart by well under a millisecond: a first pause of 0.5 ms, then 1 and 2 ms, cost
-    each round of a load about 0.9 ms on its first rank, 5 ms of a 0.09 s sharded load of 0.3 GB (2 ranks, tmpfs).
+    The first pauses are short because ranks that arrive together are apart by well under a millisecond, and every
+    round of a save or a load waits at least one pause.
     """
     pause, longest = 5e-5, min(0.05, 0.001 * world_size)
     while True:
