@@ -285,6 +285,7 @@ def _peak_resident() -> Iterator[Callable[[], int]]:
         sampler.join()
 
 
+@pytest.mark.large
 def test_past_4_gib_consolidated_saves_and_consolidations_stream_and_load_anywhere(tmp_path):
     # tmpfs where there is one: 4.3 GB written and read back four times, then saved sharded and consolidated
     scratch = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp_path))

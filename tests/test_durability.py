@@ -139,6 +139,7 @@ def test_sealed_files_load_with_plain_torch_and_mmap(tmp_path):
     tiny_model(2).load_state_dict(torch.load(tmp_path / "model_0.pt", weights_only=True), strict=True)
 
 
+@pytest.mark.large
 def test_large_archives_in_zip64_are_sealed_and_verified(tmp_path):
     # over 65535 records makes torch write zip64 end records
     state = {f"t{i}": torch.tensor(float(i)) for i in range(70_000)}

@@ -421,6 +421,7 @@ def _assert_torch_saves_at_size(obj: object) -> None:
 _GIB = 1 << 30
 
 
+@pytest.mark.large
 @pytest.mark.parametrize(
     "shapes",
     [
@@ -434,5 +435,6 @@ def test_archives_past_4_gib_are_torch_saves_with_zip64_fields(shapes):
     _assert_torch_saves_at_size([torch.empty(numel, dtype=torch.float32) for numel in shapes])
 
 
+@pytest.mark.large
 def test_an_archive_of_more_than_65535_records_is_torch_saves():
     _assert_torch_saves_at_size([torch.full((2,), float(i)) for i in range(65_600)])
