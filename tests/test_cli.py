@@ -1,8 +1,12 @@
-"""The ignite-zero command line, run as a user runs it: a subprocess, its output and exit status."""
+"""The ignite-zero command line: its output and exit status, from ``main`` in this process, and as a user runs it
+(a subprocess of ``python -m ignite_zero``) where the process itself matters: the version, a pipe closed early."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import ignite
 import pytest
@@ -18,6 +22,17 @@ from ignite_zero.cli import main
 
 
 def _cli(*args):
+    """What the command prints and its exit status, as ``subprocess.run`` gives them, without starting a Python."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main([str(arg) for arg in args])
+        except SystemExit as exited:  # argparse's errors and --version
+            status = exited.code if isinstance(exited.code, int) else 1
+    return SimpleNamespace(returncode=status, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def _cli_process(*args):
     return subprocess.run([sys.executable, "-m", "ignite_zero", *map(str, args)], capture_output=True, text=True)
 
 
@@ -149,7 +164,7 @@ def test_help_for_each_command_documents_its_exit_statuses(capsys):
 
 
 def test_version_names_the_package_torch_and_ignite():
-    result = _cli("--version")
+    result = _cli_process("--version")
     assert result.returncode == 0, result.stderr
     expected = f"ignite-zero {ignite_zero.__version__} (torch {torch.__version__}, pytorch-ignite {ignite.__version__})"
     assert result.stdout.strip() == expected
