@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-# Scenario helpers (launcher, models) live next to the tests.
-sys.path.insert(0, str(Path(__file__).parent))
+# Scenario helpers (launcher, models, simulated hosts) live in support/, apart from the tests.
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 # No object-storage request may leave this machine: until the S3 server below starts, every AWS client (s3fs,
 # botocore) is pointed at a closed loopback port, with dummy credentials; nothing reads instance metadata.

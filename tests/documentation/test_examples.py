@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
+EXAMPLES = Path(__file__).parents[2] / "examples"
 
 pytestmark = pytest.mark.distributed
 

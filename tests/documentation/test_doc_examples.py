@@ -57,8 +57,8 @@ import ignite_zero
 from ignite_zero import Checkpoint, DiskSaver
 from ignite_zero.adapters import FairscaleFSDPOptimizerState, FSDPOptimizerState, ZeROState
 
-README = Path(__file__).parent.parent / "README.rst"
-PAGES = sorted((Path(__file__).parent.parent / "docs").glob("*.rst"))
+README = Path(__file__).parents[2] / "README.rst"
+PAGES = sorted((Path(__file__).parents[2] / "docs").glob("*.rst"))
 CPU = torch.device("cpu")
 
 
