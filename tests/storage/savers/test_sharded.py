@@ -183,7 +183,7 @@ def _what_saves_exchange(rank, world_size, dirname):
 
     def counted(payload, *, what, **kwargs):
         if what.startswith("preparation of"):
-            seen.append(("plan offered", payload[1][3].plan is not None))
+            seen.append(("plan offered", payload[1].offer.plan is not None))
         else:
             seen.append(("round", what.split(" of ")[0]))
         return agree(payload, what=what, **kwargs)
