@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ignite.engine import Engine, Events
 
-from ignite_zero.agreement import busy, settle
+from ignite_zero.agreement import busy, together
 
 __all__ = ["BackgroundSaves"]
 
@@ -97,15 +97,10 @@ class BackgroundSaves:
         """Run ``stage`` now (on every rank of ``ranks``, which share its outcome), then the work it returns in a
         thread; ``durable`` runs in the caller's thread, by :meth:`wait`, once that work succeeded on every rank."""
         assert self.stream is not None, "claim a stream first"
-        failure, work = None, None
         started = time.perf_counter()
-        try:
+        with together(f"checkpoint staging of {what}", timeout=self.timeout, ranks=ranks):
             work = stage()
-        except Exception as error:
-            failure = error
-        settle(failure, what=f"checkpoint staging of {what}", timeout=self.timeout, ranks=ranks)
         logger.debug("Checkpoint %s staged in %.3f s", what, time.perf_counter() - started)
-        assert work is not None
         pending = _Pending(what, durable)
         pending.thread = threading.Thread(
             target=self._run, args=(pending, work, ranks), name="ignite_zero-save", daemon=False
@@ -114,20 +109,11 @@ class BackgroundSaves:
         pending.thread.start()
 
     def _run(self, pending: _Pending, work: Callable[[], None], ranks: Sequence[int]) -> None:
-        failure = None
-        with busy(interval=min(1.0, self.timeout / 4)):
-            try:
-                work()
-            except Exception as error:
-                failure = error
+        what = f"checkpoint save of {pending.what}"
         try:
-            settle(
-                failure,
-                what=f"checkpoint save of {pending.what}",
-                timeout=self.timeout,
-                stream=self.stream or "main",
-                ranks=ranks,
-            )
+            with together(what, timeout=self.timeout, stream=self.stream or "main", ranks=ranks):
+                with busy(interval=min(1.0, self.timeout / 4)):
+                    work()
         except Exception as error:  # raised by wait(), in the training thread
             logger.error("Asynchronous save of %s failed: %s", pending.what, error)
             pending.error = error
