@@ -2,18 +2,17 @@
 
 ``dcp.save`` gathers every rank's local plan to a coordinator and scatters the global plans back, then gathers every
 rank's write results for ``.metadata`` and broadcasts the outcome: four object collectives over the process group.
-Before and after them a sharded save runs its own rounds anyway (preparation, commit), through the store. On 2 ranks
-of FSDP2 (0.6 GB of state, 2 cores, tmpfs), DCP's two exchanges took 11 and 10 ms of a 0.26 s save; a round of ours
-1-3 ms, most of it waiting for the slower rank. So :class:`SavePlanning` runs the same steps with the same planner
-(``DefaultSavePlanner``) and storage writer, in DCP's order, but its :class:`Offer` travels in the preparation round
-and every rank makes the global plans from every rank's offer itself: planning is deterministic, and each rank needs
-its own plan and the coordinator the metadata. The directory is the one ``dcp.save`` writes.
+Before and after them a sharded save runs its own rounds anyway (preparation, commit), through the store, and a round of
+ours costs a fraction of one of DCP's exchanges (see the benchmarks page). So :class:`SavePlanning` runs the same steps
+with the same planner (``DefaultSavePlanner``) and storage writer, in DCP's order, but its :class:`Offer` travels in the
+preparation round and every rank makes the global plans from every rank's offer itself: planning is deterministic, and
+each rank needs its own plan and the coordinator the metadata. The directory is the one ``dcp.save`` writes.
 
-Plans are kept between saves, as DCP's ``enable_plan_caching`` keeps them: a rank whose local plan did not change
-offers none, and where no rank's did, the kept global plans and metadata are reused (2.6 ms of global planning a
-save, besides 0.7 ms of pickling a plan). Every agreement on plans is numbered alike on every rank; a rank offers its
-number with its plan, so that ranks that kept plans from different agreements (a round that failed on some ranks
-only, a saver used by other ranks) are found out, and plan afresh.
+Plans are kept between saves, as DCP's ``enable_plan_caching`` keeps them: a rank whose local plan did not change offers
+none, and where no rank's did, the kept global plans and metadata are reused, sparing the global planning and the
+pickling of plans. Every agreement on plans is numbered alike on every rank; a rank offers its number with its plan, so
+that ranks that kept plans from different agreements (a round that failed on some ranks only, a saver used by other
+ranks) are found out, and plan afresh.
 
 What it costs at scale: the write results go to the coordinator alone (a round ``to`` one rank, see
 :func:`ignite_zero.agreement.settle`), as DCP gathers them; but every rank reads every rank's plan, at the first save
