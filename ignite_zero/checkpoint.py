@@ -471,7 +471,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         kwargs.setdefault("sync_timeout", self.sync_timeout)
         kwargs.setdefault("storage_options", options)
         # a replicated checkpoint's files that this host lacks, fetched even where the load itself is local
-        replicas.complete(found, options, self.sync_timeout)
+        replicas.repair_before_load(found, options, self.sync_timeout)
         type(self).load_objects(to_load=to_load, checkpoint=found, **kwargs)
         # what every rank lists: node-local directories differ (a replaced host's is nearly empty), and retention taken
         # from one of them alone would never remove the older checkpoints that only the others hold

@@ -111,7 +111,7 @@ def _inspect(reader: Reader, as_json: bool, out: TextIO) -> int:
     return 0
 
 
-def _verify(reader: Reader, out: TextIO, holding: replicas.Holding | None = None) -> int:
+def _verify(reader: Reader, out: TextIO, holding: replicas.HostCopy | None = None) -> int:
     path = reader.path
     if holding is not None and holding.elsewhere:  # one host's directory of a replicated checkpoint: what it holds
         total = len(holding.here) + len(holding.elsewhere)
@@ -375,7 +375,9 @@ def _run(args: argparse.Namespace) -> int:
             return _inspect(reader, args.json, sys.stdout)
         if args.command == "verify":
             return _verify(
-                reader, sys.stdout, replicas.holding(*split(where, options or None)) if reader.sharded else None
+                reader,
+                sys.stdout,
+                replicas.check_host_copy(*split(where, options or None), strict=True) if reader.sharded else None,
             )
         return _consolidate(reader, args.target, options, sys.stdout)
     except BrokenPipeError:

@@ -66,7 +66,7 @@ def restore(
     try:
         objects = adapt(to_load, 0)
         if _collective(objects) and not isinstance(checkpoint, Mapping):  # files a host lacks, from hosts with them
-            replicas.complete(checkpoint, storage_options, sync_timeout)
+            replicas.repair_before_load(checkpoint, storage_options, sync_timeout)
         reader = None if isinstance(checkpoint, Mapping) else reader_for(checkpoint, storage_options)
     except Exception as error:  # e.g. a directory this rank may not read: the others would wait for it in round 1
         if objects is None or _collective(objects):  # only sharded objects fail to adapt

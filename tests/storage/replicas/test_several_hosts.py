@@ -27,7 +27,7 @@ from training import assert_state_equal, tiny_model
 from ignite_zero import Checkpoint, cli
 from ignite_zero.storage.formats import IntegrityError
 from ignite_zero.storage.places import LocalPlace
-from ignite_zero.storage.replicas import holding
+from ignite_zero.storage.replicas import check_host_copy
 
 REFUSAL = refusal()
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(REFUSAL is not None, reason=REFUSAL or "")]
@@ -220,4 +220,4 @@ def test_verify_on_each_of_three_hosts(tmp_path: Path, free_port: int) -> None:
     # a file that the host keeps, lost: an error on that host
     (tmp_path / "disk-0" / "fast" / name / "__2_0.distcp").unlink()
     with pytest.raises(IntegrityError, match=r"__2_0.distcp is missing, and this host \(host-0\) is one of those"):
-        holding(LocalPlace(tmp_path / "disk-0" / "fast"), name, host="host-0")
+        check_host_copy(LocalPlace(tmp_path / "disk-0" / "fast"), name, strict=True, host="host-0")
