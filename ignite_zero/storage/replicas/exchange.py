@@ -116,17 +116,23 @@ def _receive_files(
     written: list[BaseException],
 ) -> None:
     """Write the files of ``incoming``, all from one source and sorted by name, through ``place`` as they arrive."""
-    for transfer in incoming:
-        writing = _Writing(place, transfer, atomic)
-        try:
-            for _ in receive_parts(transfer.source, group, writing.receive_into, movers, transfer.name):
-                writing.arrived()
-        except PeerError:
-            pass  # the sender could not read it: the file ends short, which its check names
-        finally:
-            writing.finish()
-        if writing.error is not None:
-            written.append(writing.error)
+    writings = []
+    try:
+        for transfer in incoming:  # each file written while the next ones arrive
+            writing = _Writing(place, transfer, atomic)
+            writings.append(writing)
+            try:
+                for _ in receive_parts(transfer.source, group, writing.receive_into, movers, transfer.name):
+                    writing.arrived()
+            except PeerError:
+                pass  # the sender could not read it: the file ends short, which its check names
+            finally:
+                writing.end()
+    finally:
+        for writing in writings:
+            writing.join()
+            if writing.error is not None:
+                written.append(writing.error)
 
 
 def _parts_of(place: Place, name: str, size: int) -> Iterator[torch.Tensor]:
@@ -194,8 +200,12 @@ class _Writing:
             self._chunks.put(self._receiving)
             self._receiving = None
 
-    def finish(self) -> None:
+    def end(self) -> None:
+        """Let the writer end the file once it has written what arrived."""
         self._chunks.put(None)
+
+    def join(self) -> None:
+        """Wait for the writer to end the file."""
         self._thread.join()
 
     def _arriving(self) -> Iterator[torch.Tensor]:
