@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ignite_zero import tree
 from ignite_zero.agreement import rank_and_world
+from ignite_zero.transport import Overlap
 from ignite_zero.transport.groups import cpu_group
 
 __all__ = ["Part", "ShardedState", "copy_structure", "group_ranks"]
@@ -108,8 +109,12 @@ class ShardedState(ABC):
         """
 
     @abstractmethod
-    def assemble(self, snapshot: Any, group: Any) -> dict[str, Any]:
-        """Collective over ``group``: the full state on the recipient from every rank's snapshot, ``{}`` elsewhere."""
+    def assemble(self, snapshot: Any, group: Any, overlap: Overlap | None = None) -> dict[str, Any]:
+        """Collective over ``group``: the full state on the recipient from every rank's snapshot, ``{}`` elsewhere.
+
+        Given ``overlap`` (a consolidated save), the tensors' bytes travel in its background: the result's tensors
+        are complete once it says so (see :class:`ignite_zero.transport.Overlap`).
+        """
 
     def sharded_state_dict(self) -> Any:
         """What this rank writes in a sharded checkpoint (:class:`~ignite_zero.ShardedSaver`): its own part, under

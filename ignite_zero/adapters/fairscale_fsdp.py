@@ -69,6 +69,7 @@ from ignite_zero.adapters.fsdp import (
 )
 from ignite_zero.adapters.regions import Pieces, gather_pieces
 from ignite_zero.agreement import rank_and_world
+from ignite_zero.transport import Overlap
 
 __all__ = [
     "FairscaleFSDPModelState",
@@ -369,9 +370,9 @@ class FairscaleFSDPModelState(_FairscaleState):
         with torch.no_grad():
             return _Layout(self.module).model_pieces()
 
-    def assemble(self, snapshot: Pieces, group: Any) -> dict[str, Any]:
+    def assemble(self, snapshot: Pieces, group: Any, overlap: Overlap | None = None) -> dict[str, Any]:
         """Collective over ``group``: the full model state on the recipient, ``{}`` on every other rank."""
-        full = gather_pieces(snapshot, self.recipient_rank, group)
+        full = gather_pieces(snapshot, self.recipient_rank, group, overlap=overlap)
         return {} if full is None else {key[0]: value for key, value in full.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
@@ -456,9 +457,11 @@ class FairscaleFSDPOptimizerState(_FairscaleState):
         by name."""
         return optimizer_pieces(self.obj, _Layout(self.module).param_layouts())
 
-    def assemble(self, snapshot: tuple[Pieces, list[dict[str, Any]]], group: Any) -> dict[str, Any]:
+    def assemble(
+        self, snapshot: tuple[Pieces, list[dict[str, Any]]], group: Any, overlap: Overlap | None = None
+    ) -> dict[str, Any]:
         """Collective over ``group``: the full optimizer state on the recipient, ``{}`` on every other rank."""
-        return assemble_optimizer_state(snapshot, self.recipient_rank, group)
+        return assemble_optimizer_state(snapshot, self.recipient_rank, group, overlap)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore this rank's part of the optimizer state from a full, name-keyed one; local.

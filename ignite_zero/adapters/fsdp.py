@@ -43,6 +43,7 @@ from ignite_zero.adapters._fsdp_common import ParamLayout, Slot, add_value, clea
 from ignite_zero.adapters.base import ShardedState
 from ignite_zero.adapters.regions import Pieces, gather_pieces
 from ignite_zero.loading import deferred
+from ignite_zero.transport import Overlap
 
 __all__ = [
     "FSDPModelState",
@@ -211,9 +212,9 @@ class FSDPModelState(_FSDPState):
         with torch.no_grad():
             return _kind(self.module).model_pieces(self.module)
 
-    def assemble(self, snapshot: Pieces, group: Any) -> dict[str, Any]:
+    def assemble(self, snapshot: Pieces, group: Any, overlap: Overlap | None = None) -> dict[str, Any]:
         """Collective over ``group``: the full model state on the recipient, ``{}`` on every other rank."""
-        full = gather_pieces(snapshot, self.recipient_rank, group)
+        full = gather_pieces(snapshot, self.recipient_rank, group, overlap=overlap)
         # Every tensor was allocated by the gather: never a view of live parameters.
         return {} if full is None else {key[0]: value for key, value in full.items()}
 
@@ -307,9 +308,11 @@ class FSDPOptimizerState(_FSDPState):
         by name."""
         return optimizer_pieces(self.obj, _param_layouts(self.module))
 
-    def assemble(self, snapshot: tuple[Pieces, list[dict[str, Any]]], group: Any) -> dict[str, Any]:
+    def assemble(
+        self, snapshot: tuple[Pieces, list[dict[str, Any]]], group: Any, overlap: Overlap | None = None
+    ) -> dict[str, Any]:
         """Collective over ``group``: the full optimizer state on the recipient, ``{}`` on every other rank."""
-        return assemble_optimizer_state(snapshot, self.recipient_rank, group)
+        return assemble_optimizer_state(snapshot, self.recipient_rank, group, overlap)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's part of the optimizer state by parameter names, as ``get_optimizer_state_dict`` gives it,
@@ -485,12 +488,12 @@ def optimizer_pieces(
 
 
 def assemble_optimizer_state(
-    snapshot: tuple[Pieces, list[dict[str, Any]]], recipient_rank: int, group: Any
+    snapshot: tuple[Pieces, list[dict[str, Any]]], recipient_rank: int, group: Any, overlap: Overlap | None = None
 ) -> dict[str, Any]:
     """Collective over ``group``: the full name-keyed optimizer state from every rank's :func:`optimizer_pieces`
-    on the recipient, ``{}`` on every other rank."""
+    on the recipient, ``{}`` on every other rank; given ``overlap``, its tensors' bytes travel in its background."""
     pieces, groups = snapshot
-    full = gather_pieces(pieces, recipient_rank, group)
+    full = gather_pieces(pieces, recipient_rank, group, overlap=overlap)
     if full is None:
         return {}
     state: dict[str, dict[str, Any]] = {}

@@ -8,7 +8,7 @@ from typing import Any
 
 from ignite_zero.adapters.base import ShardedState
 from ignite_zero.agreement import rank_and_world
-from ignite_zero.transport import gather_to
+from ignite_zero.transport import Overlap, gather_to
 
 __all__ = ["PerRank"]
 
@@ -47,8 +47,8 @@ class PerRank(ShardedState):
     def snapshot(self) -> Any:
         return self.obj.state_dict()
 
-    def assemble(self, snapshot: Any, group: Any) -> dict[str, Any]:
-        states = gather_to(snapshot, self.recipient_rank, group)
+    def assemble(self, snapshot: Any, group: Any, overlap: Overlap | None = None) -> dict[str, Any]:
+        states = gather_to(snapshot, self.recipient_rank, group, overlap=overlap)
         return {} if states is None else {"by_rank": states}
 
     def sharded_state_dict(self) -> dict[str, Any]:

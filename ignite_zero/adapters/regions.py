@@ -21,9 +21,10 @@ from torch.distributed import ProcessGroup
 
 from ignite_zero.transport import (
     DEFAULT_CHUNK_BYTES,
+    Overlap,
+    Ranks,
     StreamReceiver,
     chunk_bytes_for,
-    fill,
     receive_all,
     receive_bytes,
     resolve,
@@ -262,16 +263,28 @@ def _name(key: tuple[Any, ...]) -> str:
 
 
 def gather_pieces(
-    pieces: Pieces, dst: int, group: ProcessGroup | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    pieces: Pieces,
+    dst: int,
+    group: ProcessGroup | None = None,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    overlap: Overlap | None = None,
 ) -> dict[tuple[Any, ...], Any] | None:
     """Assemble full tensors from the pieces ranks hold, on ``dst``; a collective over ``group``.
 
     Every rank sends ``dst`` the description of its pieces (no data); ``dst`` allocates each full tensor once
     on the CPU, picks one source per block (its own pieces first, so NO_SHARD parameters, buffers and ``step``
     values never travel; one replica of each block), tells each rank what to send, and receives every block
-    straight into place, run by run where a block is not contiguous in the full tensor (see :meth:`Box.blocks`);
-    within a consolidated save, into slots that the saver writes from (:class:`ignite_zero.transport.Overlap`).
+    straight into place, run by run where a block is not contiguous in the full tensor (see :meth:`Box.blocks`).
     Senders send views of what they hold: their extra memory is the staging buffer only.
+
+    Args:
+        pieces: what this rank holds.
+        dst: global rank that assembles the full tensors.
+        group: process group whose CPU backend is gloo; ``None`` for the default group.
+        chunk_bytes: most bytes a sender stages at a time, and the largest message.
+        overlap: where given (a consolidated save), the blocks travel in its background, into slots that the saver
+            writes from, and the gather returns at once (see :class:`ignite_zero.transport.Overlap`).
 
     Returns:
         On ``dst``: ``{key: full tensor or value}`` in ``dst``'s order, then keys only other ranks hold;
@@ -284,17 +297,9 @@ def gather_pieces(
     ranks = resolve(group, dst, "dst")
     manifest = (pieces.regions, pieces.values, pieces.order)
     if ranks.rank != ranks.root:
-        send_bytes(pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL), dst, ranks.group)
-        sends = pickle.loads(receive_bytes(dst, ranks.group, "the plan of the gather"))
-        tensors = [run for i in sends for run in pieces.regions[i].box.blocks(pieces.tensors[i])]
-        send_stream(tensors, dst, ranks.group, chunk_bytes_for(tensors, chunk_bytes))
+        _send_pieces(pieces, manifest, ranks, dst, chunk_bytes, overlap)
         return None
-
-    manifests: list[Any] = [None] * ranks.size
-    manifests[ranks.rank] = manifest
-    for peer in range(ranks.size):
-        if peer != ranks.rank:
-            manifests[peer] = pickle.loads(receive_bytes(ranks.peer(peer), ranks.group, "its pieces"))
+    manifests = _receive_manifests(manifest, ranks)
     try:
         order, chosen, chosen_regions, sends = _choose_sources(manifests, ranks.rank)
     except RuntimeError as error:
@@ -303,6 +308,47 @@ def gather_pieces(
                 send_error(f"rank {dst}: {error}", ranks.peer(peer), ranks.group)
         raise
     full = {key: torch.empty(region.box.shape, dtype=region.dtype) for key, region in chosen_regions.items()}
+    receivers = _ask_for_pieces(manifests, sends, full, ranks, chunk_bytes)
+    _copy_own_pieces(pieces, chosen, full, ranks.rank, overlap)
+    if overlap is None:
+        receive_all(receivers, ranks.group)
+    else:
+        overlap.receive(receivers, ranks.group)
+    return _assembled(order, full, manifests, ranks)
+
+
+def _send_pieces(
+    pieces: Pieces, manifest: _Manifest, ranks: Ranks, dst: int, chunk_bytes: int, overlap: Overlap | None
+) -> None:
+    """A sender's part of :func:`gather_pieces`: describe its pieces, learn which to send, send their runs."""
+    send_bytes(pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL), dst, ranks.group)
+    sends = pickle.loads(receive_bytes(dst, ranks.group, "the plan of the gather"))
+    tensors = [run for i in sends for run in pieces.regions[i].box.blocks(pieces.tensors[i])]
+    if overlap is None:
+        send_stream(tensors, dst, ranks.group, chunk_bytes_for(tensors, chunk_bytes))
+    else:
+        overlap.send(tensors, dst, ranks.group, chunk_bytes_for(tensors, chunk_bytes))
+
+
+def _receive_manifests(manifest: _Manifest, ranks: Ranks) -> list[_Manifest]:
+    """Every rank's description of its pieces, by group rank (``manifest`` is the root's own)."""
+    manifests: list[Any] = [None] * ranks.size
+    manifests[ranks.rank] = manifest
+    for peer in range(ranks.size):
+        if peer != ranks.rank:
+            manifests[peer] = pickle.loads(receive_bytes(ranks.peer(peer), ranks.group, "its pieces"))
+    return manifests
+
+
+def _ask_for_pieces(
+    manifests: list[_Manifest],
+    sends: list[list[int]],
+    full: dict[tuple[Any, ...], torch.Tensor],
+    ranks: Ranks,
+    chunk_bytes: int,
+) -> list[StreamReceiver]:
+    """Tell each sender which of its pieces to send (``sends``), and return the receivers of their runs, each into
+    its place in the ``full`` tensors."""
     receivers = []
     for peer in range(ranks.size):
         if peer == ranks.rank:
@@ -313,17 +359,33 @@ def gather_pieces(
             region = manifests[peer][0][index]
             destinations += region.box.blocks(region.box.view(full[region.key]))
         receivers.append(StreamReceiver(ranks.peer(peer), destinations, chunk_bytes_for(destinations, chunk_bytes)))
-    for key, picks in chosen.items():  # the root's own pieces: copied while nothing else is in flight
+    return receivers
+
+
+def _copy_own_pieces(
+    pieces: Pieces,
+    chosen: dict[tuple[Any, ...], list[tuple[int, int]]],
+    full: dict[tuple[Any, ...], torch.Tensor],
+    rank: int,
+    overlap: Overlap | None,
+) -> None:
+    """Copy the root's own chosen pieces into the ``full`` tensors, while nothing else is in flight; given
+    ``overlap``, a piece of one run is left where it is, for a saver to write from (:meth:`Overlap.defer_copy`)."""
+    for key, picks in chosen.items():
         for r, i in picks:
-            if r == ranks.rank:
+            if r == rank:
                 target = pieces.regions[i].box.view(full[key])
                 source = pieces.tensors[i].detach().reshape(target.shape)
-                if pieces.regions[i].box.runs() == 0:  # one run: a saver may write it from where it is
-                    fill(target, source)
+                if overlap is not None and pieces.regions[i].box.runs() == 0:
+                    overlap.defer_copy(target, source)
                 else:
                     target.copy_(source)
-    receive_all(receivers, ranks.group)
 
+
+def _assembled(
+    order: list[tuple[Any, ...]], full: dict[tuple[Any, ...], torch.Tensor], manifests: list[_Manifest], ranks: Ranks
+) -> dict[tuple[Any, ...], Any]:
+    """The result of :func:`gather_pieces` on the root: the ``full`` tensors and the values, in ``order``."""
     result: dict[tuple[Any, ...], Any] = {}
     for key in order:
         if key in full:

@@ -200,7 +200,9 @@ class ZeROState(ShardedState):
             start += count
         return {"state": state, "param_groups": groups}
 
-    def assemble(self, snapshot: dict[str, Any], group: Any) -> dict[str, Any]:
+    def assemble(
+        self, snapshot: dict[str, Any], group: Any, overlap: transport.Overlap | None = None
+    ) -> dict[str, Any]:
         """Collective over ``group``: every rank's snapshot to the recipient, merged there; ``{}`` elsewhere.
 
         The merge is the one ``ZeroRedundancyOptimizer.state_dict()`` and fairscale's ``OSS.state_dict()`` make
@@ -209,7 +211,7 @@ class ZeROState(ShardedState):
         """
         if "full" in snapshot:  # consolidated by the optimizer itself
             return snapshot["full"]
-        snapshots = transport.gather_to(snapshot, self.recipient_rank, group)
+        snapshots = transport.gather_to(snapshot, self.recipient_rank, group, overlap=overlap)
         if snapshots is None:
             return {}
         state = {index: value for part in snapshots for index, value in part["state"].items()}

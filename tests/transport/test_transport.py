@@ -19,10 +19,10 @@ from launcher import run_ranks
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from ignite_zero import pickling, transport
+from ignite_zero import pickling
 from ignite_zero.adapters import regions as regions_module
 from ignite_zero.adapters.regions import Box, Pieces, Region, gather_pieces
-from ignite_zero.transport import DEFAULT_CHUNK_BYTES, gather_to, receive_from, send_failure, send_to
+from ignite_zero.transport import DEFAULT_CHUNK_BYTES, gather_to, receive_from, send_failure, send_to, streams
 from ignite_zero.transport.groups import cpu_group
 
 # Small chunks force packing, slicing of big tensors and partial rows of non-contiguous ones;
@@ -464,7 +464,7 @@ def test_copy_flat_range(src: torch.Tensor) -> None:
     for start in range(flat.numel()):
         for stop in range(start + 1, flat.numel() + 1):
             out = torch.full((stop - start,), -1, dtype=src.dtype)
-            transport._copy_flat_range(src, start, stop, out)
+            streams._copy_flat_range(src, start, stop, out)
             assert torch.equal(out, flat[start:stop]), (start, stop)
 
 
@@ -474,7 +474,7 @@ def test_plan_covers_each_element_once(chunk: int) -> None:
     _, tensors = pickling.split_tensors(_make_obj(1))
     metas = [(t.dtype, t.numel()) for t in tensors]
     covered = [0] * len(metas)
-    for message in transport._plan(metas, chunk):
+    for message in streams._plan(metas, chunk):
         assert message.nbytes <= max(chunk, max(dtype.itemsize for dtype, _ in metas))
         for (index, first, end), offset in zip(message.pieces, message.offsets):
             assert first == covered[index] and end > first
@@ -486,7 +486,7 @@ def test_plan_covers_each_element_once(chunk: int) -> None:
 def test_plan_packs_small_tensors_and_sends_big_ones_alone() -> None:
     """Adam over big layers: the 0-d steps share one message; each moment goes alone, so it is sent in place."""
     metas = ([(torch.float32, 1)] + [(torch.float32, 2**20)] * 2) * 3 + [(torch.bfloat16, 5)]
-    messages = transport._plan(metas, DEFAULT_CHUNK_BYTES)
+    messages = streams._plan(metas, DEFAULT_CHUNK_BYTES)
     assert [[index for index, _, _ in m.pieces] for m in messages] == [[0, 3, 6, 9], [1], [2], [4], [5], [7], [8]]
     assert [m.own for m in messages] == [False] + [True] * 6
 

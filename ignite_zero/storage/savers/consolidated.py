@@ -1,9 +1,9 @@
 """Savers that write the whole checkpoint from the full state: sharded objects are consolidated on the recipient
 (each adapter's collective ``assemble``) and the checkpoint is written in one piece.
 
-The two overlap: the recipient receives the other ranks' parts in the background
-(:func:`ignite_zero.transport.overlapped`), and a saver that can write a tensor's bytes as they arrive
-(:meth:`ConsolidatingSaver.write_arriving`) starts writing at once.
+The two overlap: the saver passes one :class:`ignite_zero.transport.Overlap` to every adapter's ``assemble``, so that
+the recipient receives the other ranks' parts in its background, and a saver that can write a tensor's bytes as they
+arrive (:meth:`ConsolidatingSaver.write_arriving`) starts writing at once.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from ignite_zero import transport, tree
+from ignite_zero import tree
 from ignite_zero.adapters import ShardedState
 from ignite_zero.staging import Stager
 from ignite_zero.storage.savers.base import Saver, SaveRequest, unwrapped
+from ignite_zero.transport import Overlap
 
 __all__ = ["ConsolidatingSaver"]
 
@@ -44,7 +45,7 @@ class ConsolidatingSaver(Saver):
     def write(self, content: Any, request: SaveRequest) -> None:
         """Write ``content`` (what the checkpoint holds, as ignite lays it out) as ``request.filename``."""
 
-    def write_arriving(self, content: Any, request: SaveRequest, arriving: transport.Overlap) -> None:
+    def write_arriving(self, content: Any, request: SaveRequest, arriving: Overlap) -> None:
         """:meth:`write`, while bytes of ``content``'s tensors may still be arriving from other ranks: a saver that
         writes a tensor's bytes as ``arriving.wait_for`` says they are there overrides it; by default every byte is
         received first."""
@@ -54,12 +55,12 @@ class ConsolidatingSaver(Saver):
     def save(self, objects: Any, request: SaveRequest) -> None:
         writes = self.writes_here(request)
 
-        def state_of(_: tree.Path, obj: Any) -> Any:
-            if isinstance(obj, ShardedState):
-                return obj.state_dict()  # a collective: every rank of the object's group takes part
+        def state_of(_: tree.Path, obj: Any, arriving: Overlap) -> Any:
+            if isinstance(obj, ShardedState):  # its state_dict(): a collective over its group, bytes arriving
+                return obj.assemble(obj.snapshot(), obj.gather_group(), arriving)
             return obj.state_dict() if writes else None
 
-        self._commit(lambda: tree.map_tree(state_of, objects), writes, request)
+        self._commit(objects, state_of, writes, request)
 
     def stage(self, objects: Any, request: SaveRequest) -> Callable[[], None]:
         """Copy each sharded object's snapshot, and on the ranks that write every plain object's state; the returned
@@ -74,15 +75,23 @@ class ConsolidatingSaver(Saver):
             elif writes:
                 staged[path] = self._stager.stage(obj.state_dict(), tree.describe(path))
 
-        def assemble(path: tree.Path, obj: Any) -> Any:
-            return obj.assemble(staged[path], groups[path]) if isinstance(obj, ShardedState) else staged.get(path)
+        def assemble(path: tree.Path, obj: Any, arriving: Overlap) -> Any:
+            return (
+                obj.assemble(staged[path], groups[path], arriving)
+                if isinstance(obj, ShardedState)
+                else staged.get(path)
+            )
 
-        return lambda: self._commit(lambda: tree.map_tree(assemble, objects), writes, request)
+        return lambda: self._commit(objects, assemble, writes, request)
 
-    def _commit(self, gather: Callable[[], dict[str, Any]], writes: bool, request: SaveRequest) -> None:
+    def _commit(
+        self, objects: Any, state_of: Callable[[tree.Path, Any, Overlap], Any], writes: bool, request: SaveRequest
+    ) -> None:
+        """Gather the checkpoint, ``state_of`` each object, while its bytes arrive in the background, and write it
+        as they arrive."""
         started = time.perf_counter()
-        with transport.overlapped() as arriving:  # leaving it waits for every stream: no sender is left waiting
-            checkpoint = gather()
+        with Overlap() as arriving:  # leaving it waits for every stream: no sender is left waiting
+            checkpoint = tree.map_tree(lambda path, obj: state_of(path, obj, arriving), objects)
             if not writes:
                 return
             planned = time.perf_counter()

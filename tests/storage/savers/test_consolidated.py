@@ -31,6 +31,7 @@ from ignite_zero import Checkpoint, DiskSaver, IntegrityError, ShardedSaver, cli
 from ignite_zero.adapters import ZeROState, adapt
 from ignite_zero.storage.formats.file import verify_file
 from ignite_zero.transport import Overlap
+from ignite_zero.transport.overlap import _SLOTS
 
 pytestmark = pytest.mark.distributed
 
@@ -119,11 +120,11 @@ def _written(overlap, tensor, slice_bytes=256 << 10):
 def _received_through_slots(rank, world_size, order):
     """Ranks 1.. each send the tensors of :func:`_sent`, rank 0 takes their bytes as a saver does, in ``order``."""
     expected = [tensor for _ in range(1, world_size) for tensor in _sent()]
-    with transport.overlapped() as overlap:
+    with Overlap() as overlap:
         if rank:
-            transport.gather_to(_sent(), 0)  # in the background: the block ends at once, leaving waits for it
+            transport.gather_to(_sent(), 0, overlap=overlap)  # in the background: the block ends at once, leaving waits
             return None
-        received = [tensor for sent in transport.gather_to(None, 0)[1:] for tensor in sent]
+        received = [tensor for sent in transport.gather_to(None, 0, overlap=overlap)[1:] for tensor in sent]
         if order == "finished":  # a saver that takes every byte from the result: the slots' messages copied there
             overlap.finish()
             assert_state_equal(received, expected)
@@ -144,27 +145,27 @@ def test_received_bytes_wait_in_a_few_slots_and_never_in_a_deadlock(order, world
     # 16 messages of 1 MiB a sender went through at most 4 slots, reused; a saver that wants the last message first,
     # or that takes no bytes or stops taking them, has the rest received in place instead of waiting for slots that
     # it would free later (no sender is left waiting: leaving the block waits for every stream)
-    assert 1 <= slots <= transport._SLOTS
+    assert 1 <= slots <= _SLOTS
 
 
 def _a_sender_dies_between_two_gathers(rank, world_size):
     """Two gathers in one block, as a model's and an optimizer's: rank 2 dies while its first stream travels."""
 
-    def gathers():
-        first = transport.gather_to(_sent(), 0)  # 16 messages of 1 MiB a sender
-        transport.gather_to([torch.full((3 * 2**16,), float(rank))], 0)  # one packed message
+    def gathers(overlap):
+        first = transport.gather_to(_sent(), 0, overlap=overlap)  # 16 messages of 1 MiB a sender
+        transport.gather_to([torch.full((3 * 2**16,), float(rank))], 0, overlap=overlap)  # one packed message
         return first
 
     if rank:
-        with transport.overlapped():
-            gathers()
+        with Overlap() as overlap:
+            gathers(overlap)
             if rank == 2:
                 time.sleep(0.5)  # its first messages taken into slots
                 os.kill(os.getpid(), signal.SIGKILL)
         return "sent"  # leaving the block waited until the recipient took both streams
     with pytest.raises(RuntimeError, match="receiving the state of other ranks failed"):
-        with transport.overlapped() as overlap:
-            first = gathers()
+        with Overlap() as overlap:
+            first = gathers(overlap)
             time.sleep(1.5)  # the slots fill, rank 2 dies meanwhile
             for peer in (2, 1):
                 _written(overlap, torch.empty(0, dtype=torch.uint8).set_(first[peer][0].untyped_storage()))
