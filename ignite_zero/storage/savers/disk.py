@@ -18,7 +18,7 @@ from typing import IO, Any, NamedTuple, cast
 import numpy
 import torch
 
-from ignite_zero import _compat, transport
+from ignite_zero import _compat
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.naming import check_filename
 from ignite_zero.storage.formats import torch_zip
@@ -32,6 +32,7 @@ from ignite_zero.storage.savers.destination import (
     package_version,
     serialized_size,
 )
+from ignite_zero.transport import Overlap
 
 __all__ = ["DiskSaver"]
 
@@ -107,7 +108,7 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
     def write(self, content: Any, request: SaveRequest) -> None:
         self(content, request.filename, request.metadata)
 
-    def write_arriving(self, content: Any, request: SaveRequest, arriving: transport.Overlap) -> None:
+    def write_arriving(self, content: Any, request: SaveRequest, arriving: Overlap) -> None:
         """Write each slice of a tensor as soon as its bytes have arrived, where this saver writes the archive
         itself; else (keywords only ``torch.save`` honours, a method replaced) once every byte has."""
         arrived = _Arriving(_arrived(arriving), arriving.finish)
@@ -137,7 +138,7 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         self, checkpoint: Mapping, filename: str, arriving: _Arriving, metadata: Mapping | None = None
     ) -> None:
         if not (self._writes_archive(_TORCH_SAVE) and _unchanged(self, "_save_func", "_dump")):
-            arriving.fill()  # whatever writes the file reads the tensors' memory itself
+            arriving.complete()  # whatever writes the file reads the tensors' memory itself
             self(checkpoint, filename, metadata)
             return
         self._arriving = arriving
@@ -189,7 +190,7 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
                     )
                 else:
                     if arriving is not None:  # whatever writes it reads every byte: all must be there
-                        arriving.fill()
+                        arriving.complete()
                     func(checkpoint, cast(IO[bytes], stream), **self.kwargs)
             except Exception as error:
                 if stream.error is not None:  # the real cause, e.g. ENOSPC or EIO, instead of torch's summary
@@ -226,7 +227,7 @@ class _Arriving(NamedTuple):
     """Bytes of a checkpoint's tensors that are not in their memory yet."""
 
     source: Callable[[memoryview], Iterable[memoryview]]  # the bytes of a slice of that memory, once there
-    fill: Callable[[], None]  # puts every byte in its memory
+    complete: Callable[[], None]  # puts every byte in its memory
 
 
 def _unchanged(saver: DiskSaver, *names: str) -> bool:
@@ -234,8 +235,8 @@ def _unchanged(saver: DiskSaver, *names: str) -> bool:
     return all(name not in vars(saver) and getattr(type(saver), name) is getattr(DiskSaver, name) for name in names)
 
 
-def _arrived(arriving: transport.Overlap) -> Callable[[memoryview], list[memoryview]]:
-    """The bytes of a slice of a tensor's memory, once they have arrived (see :meth:`transport.Overlap.bytes_of`)."""
+def _arrived(arriving: Overlap) -> Callable[[memoryview], list[memoryview]]:
+    """The bytes of a slice of a tensor's memory, once they have arrived (see :meth:`Overlap.bytes_of`)."""
 
     def source(piece: memoryview) -> list[memoryview]:
         return arriving.bytes_of(numpy.frombuffer(piece, dtype=numpy.uint8).ctypes.data, piece)
