@@ -1,0 +1,68 @@
+"""DTensor layouts: where a rank's local tensor sits in the full tensor, and which placements have a layout.
+
+:mod:`ignite_zero.adapters._fsdp2` and :mod:`ignite_zero.storage.formats.dcp_files` need each rank's block of a
+DTensor as DCP records it; torch computes it in a private function and keeps ``fully_shard``'s strided shards in a
+private placement class.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["dtensor_block", "unsupported_placement"]
+
+
+def dtensor_block(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The global offsets and sizes of this rank's local tensor of the DTensor ``tensor``: one block of the full
+    tensor, on any mesh and with any ``Shard``, ``_StridedShard`` and ``Replicate`` placements.
+
+    From torch's own ``compute_local_shape_and_global_offset`` (what DCP records for each DTensor shard), so that
+    uneven, empty and strided shards follow torch wherever it changes its rules. A rank outside the tensor's mesh
+    holds an empty block.
+    """
+    mesh = tensor.device_mesh
+    key = (tuple(tensor.shape), tuple(tensor.placements), dist.get_rank() if dist.is_initialized() else -1)
+    blocks = _blocks.setdefault(mesh, {})
+    if key not in blocks:
+        blocks[key] = _dtensor_block(tensor.shape, mesh, tensor.placements)
+    return blocks[key]
+
+
+# A model has few distinct shapes and layouts, so torch's computation, slow enough to show in every load, is kept by
+# mesh for as long as the mesh lives (a mesh holds its process groups); the rank is part of the key, since meshes of
+# two process groups in turn may compare equal.
+_blocks: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _dtensor_block(shape: Any, mesh: Any, placements: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    if len(offsets) != len(shape):  # this rank is not part of the mesh
+        return (0,) * len(shape), (0,) * len(shape)
+    return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
+
+
+def unsupported_placement(placement: Any) -> str | None:
+    """Why a DTensor placement cannot be checkpointed, or ``None`` for ``Shard``, ``Replicate`` and
+    ``_StridedShard`` (private in torch: what ``fully_shard`` puts over a tensor-parallel ``Shard``)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if type(placement) in (Shard, Replicate, _StridedShard):
+        return None
+    if isinstance(placement, Partial):
+        return (
+            "a pending reduction (Partial): each rank holds a partial sum, not a part of the value; "
+            "reduce it first (`redistribute(placements=[Replicate()])` or `full_tensor()`) or keep it out of "
+            "the checkpointed state"
+        )
+    return (
+        f"a custom placement ({type(placement).__qualname__}) whose layout ignite_zero cannot know; "
+        "use Shard, Replicate or fully_shard's strided shards"
+    )
