@@ -3,8 +3,8 @@
 An asynchronous save blocks the training loop only while each rank copies its snapshot (its own shard; on the
 recipient, the plain objects too) into host buffers. The buffers are kept from one save to the next and reused
 when the tensor at the same position keeps its shape and dtype, so a steady run allocates nothing after its
-first save. Buffers for CUDA tensors are pinned: device-to-host copies then run at full bandwidth (a fresh
-``.cpu()`` per tensor was measured 35 times slower on an H200), asynchronously, synchronised once per stage.
+first save. Buffers for CUDA tensors are pinned, so that device-to-host copies run at full bandwidth,
+asynchronously, synchronised once per stage.
 
 The cost is one staged copy of what each rank contributes, held for the life of the handler: the one exception
 that asynchronous saves make to the bound on a rank's memory (a rank holds its own part, and a bounded buffer
@@ -87,9 +87,9 @@ def on_host(values: Iterable[Any], producers: Streams) -> Iterator[Any]:
     that a reader reads it straight into place), anything else as it is.
 
     A CUDA tensor up to :data:`PINNED_LIMIT` is copied into pinned memory on a stream of its own once the work of
-    its device's stream in ``producers`` is done, and the next one's copy runs while the caller writes this one: a
-    pageable ``.cpu()`` per tensor was measured 35 times slower than pinned copies on an H200. A caller that drops
-    each tensor before it asks for the next holds at most two copies.
+    its device's stream in ``producers`` is done, and the next one's copy runs while the caller writes this one,
+    since a pageable ``.cpu()`` per tensor is far slower than pinned copies. A caller that drops each tensor before
+    it asks for the next holds at most two copies.
 
     Args:
         values: tensors on any device, and other values.

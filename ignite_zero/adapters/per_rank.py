@@ -55,7 +55,7 @@ class PerRank(ShardedState):
         """This rank's state at its own position; the other positions stay empty, for their ranks to write.
 
         A sharded load reads every rank's state on every rank: the rule for another world size needs them, and
-        they are small (10 KB a rank for :class:`~ignite_zero.RandomState`).
+        they are small (a few generator states a rank for :class:`~ignite_zero.RandomState`).
         """
         rank, world_size = rank_and_world()
         return {"by_rank": [self.obj.state_dict() if r == rank else {} for r in range(world_size)]}

@@ -49,10 +49,10 @@ __all__ = [
 
 # A URL's scheme: `s3://`, `gs://`, `memory://`...
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-# Ranged reads of objects: large enough to amortise a request (a few ms each on S3), small enough to bound memory.
+# Ranged reads of objects: large enough to amortise a request's latency, small enough to bound memory.
 READ_BLOCK = 8 << 20
 # What a ranged read of a small part (a file's first byte, its tail, a record header, part of a tensor) fetches past
-# what it asks for: with READ_BLOCK there, the three looks at a file's ends that a load takes cost 25 MB.
+# what it asks for: with READ_BLOCK there, each look at a file's ends that a load takes would fetch a whole block.
 SMALL_READ_BLOCK = 64 << 10
 
 
