@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, rank_and_world, settle
+from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, Hosts, hosts_of_ranks, rank_and_world, together
 from ignite_zero.naming import global_step_of
 from ignite_zero.storage import replicas
 from ignite_zero.storage.formats import IntegrityError, format_for, is_candidate
@@ -80,48 +79,38 @@ def find_latest(
     .. versionadded:: 0.1.0
     """
     named = [place] if isinstance(place, (str, os.PathLike)) else list(place)
-    directories: list[Place] = []
-    failure = None
-    try:
+    with together("search for the latest checkpoint", timeout=sync_timeout) as opening:
         if not named:
             raise ValueError("find_latest was given an empty list of places; pass at least one directory or URL")
-        directories = [place_of(where, storage_options) for where in named]
-    except Exception as error:  # raised on every rank by the first round, not on this one alone
-        failure = error
-    hosts = settle(failure, what="search for the latest checkpoint", timeout=sync_timeout, payload=socket.gethostname())
+        opening.payload = [place_of(where, storage_options) for where in named]
+    directories: list[Place] = opening.payload
+    hosts = hosts_of_ranks(sync_timeout)
     rank, _ = rank_and_world()
     mine = [index for index, directory in enumerate(directories) if _checks(directory, rank, hosts)]
-    listed: dict[int, dict[str, tuple[int | None, float]]] = {}
-    failure = None
-    try:
-        listed = {index: _candidates(directories[index], filename_prefix) for index in mine}
-    except Exception as error:
-        failure = error
-    listings = settle(failure, what="search for the latest checkpoint (listing)", timeout=sync_timeout, payload=listed)
-    for index, name in _newest_first(listings):
-        verdict, failure = None, None
-        if name in listed.get(index, {}):
-            try:
-                verdict = _verdict(directories[index], name)
-            except Exception as error:
-                failure = error
-        verdicts = settle(
-            failure, what="search for the latest checkpoint (verification)", timeout=sync_timeout, payload=verdict
-        )
-        missing = _missing([v for v in verdicts if v is not None])
-        if not missing:
+    with together("search for the latest checkpoint (listing)", timeout=sync_timeout) as listing:
+        listing.payload = {index: _candidates(directories[index], filename_prefix) for index in mine}
+    for index, name in _newest_first(listing.payloads):
+        if _verified(directories[index], name, held=name in listing.payload.get(index, {}), timeout=sync_timeout):
             return str(directories[index].location(name))
-        if rank == 0 and missing != [_WHOLE]:  # a replicated checkpoint: each host logged its own findings
-            logger.warning(
-                "Skipping checkpoint %s: its files %s survive on no host", directories[index].location(name), missing
-            )
     return None
 
 
-def _checks(directory: Place, rank: int, hosts: list[str]) -> bool:
+def _verified(directory: Place, name: str, *, held: bool, timeout: float) -> bool:
+    """Whether the candidate ``name`` of ``directory`` verified whole on some host; each host that ``held`` it in its
+    listing verifies what it has. A collective, as :func:`find_latest` is."""
+    with together("search for the latest checkpoint (verification)", timeout=timeout) as verification:
+        if held:
+            verification.payload = _verdict(directory, name)
+    missing = _missing([v for v in verification.payloads if v is not None])
+    if missing and rank_and_world()[0] == 0 and missing != [_WHOLE]:  # a replicated checkpoint: hosts logged theirs
+        logger.warning("Skipping checkpoint %s: its files %s survive on no host", directory.location(name), missing)
+    return not missing
+
+
+def _checks(directory: Place, rank: int, hosts: Hosts) -> bool:
     """Whether this rank checks ``directory``: the first rank of each host, or rank 0 alone where every host sees
     the same contents."""
-    return rank == 0 if directory.seen_alike_by_every_host else hosts.index(hosts[rank]) == rank
+    return rank == 0 if directory.seen_alike_by_every_host else hosts.is_first(rank)
 
 
 def _candidates(place: Place, prefix: str) -> dict[str, tuple[int | None, float]]:
