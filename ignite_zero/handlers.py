@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ignite.engine import Engine, Events
 
 from ignite_zero.adapters.zero import ZeROState, consolidate
-from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, peek, propose, rank_and_world, settle
+from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, peek, propose, rank_and_world, together
 from ignite_zero.checkpoint import Checkpoint
 
 __all__ = ["ConsolidateZeROHandler", "SaveOnSignal"]
@@ -90,12 +90,8 @@ class ConsolidateZeROHandler:
 
     def __call__(self, engine: Engine | None = None) -> None:
         """Consolidate now, on every rank."""
-        failure = None
-        try:
+        with together("ZeRO consolidation", timeout=self.sync_timeout):
             self._state.check()
-        except ValueError as error:
-            failure = error
-        settle(failure, what="ZeRO consolidation", timeout=self.sync_timeout)
         consolidate(self.zero_optimizer, self.recipient_rank)
 
 
