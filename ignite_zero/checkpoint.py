@@ -28,10 +28,21 @@ from ignite.handlers.checkpoint import BaseSaveHandler
 from ignite_zero import tree
 from ignite_zero._compat import CheckpointEvents
 from ignite_zero.adapters import ShardedState, adapt
-from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, RankFailureError, busy, peek, post, rank_and_world, settle
+from ignite_zero.agreement import (
+    DEFAULT_SYNC_TIMEOUT,
+    RankFailureError,
+    busy,
+    peek,
+    post,
+    rank_and_world,
+    settle,
+    together,
+)
 from ignite_zero.loading.latest import find_latest
 from ignite_zero.loading.objects import restore
-from ignite_zero.naming import check_filename, global_step_of, read_name
+from ignite_zero.loading.resume import listed_on_every_rank, retention_until
+from ignite_zero.naming import check_filename, read_name
+from ignite_zero.save_ranks import check_layouts, layout, resolve_recipient, sharing_ranks
 from ignite_zero.storage import Saver, SaveRequest, as_saver, replicas, saver_for
 from ignite_zero.storage.savers.background import BackgroundSaves
 
@@ -41,8 +52,8 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _SavePlan:
-    """What one call of :class:`Checkpoint` writes and removes; identical on every rank once agreed."""
+class _SaveDecision:
+    """What one call of :class:`Checkpoint` decided to write and remove; identical on every rank once agreed."""
 
     filename: str
     priority: int | float
@@ -145,7 +156,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         if isinstance(to_save, Mapping):
             _check_objects(to_save, "state_dict")
         saver = None if isinstance(save_handler, (str, Path)) else as_saver(save_handler)
-        recipient = _resolve_recipient(consolidate_recipient_rank, save_on_rank, saver)
+        recipient = resolve_recipient(consolidate_recipient_rank, save_on_rank, saver)
         if isinstance(save_handler, (str, Path)):
             save_handler = saver = saver_for(save_handler, create_dir=True, save_on_rank=recipient)
         assert saver is not None
@@ -213,39 +224,38 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         except Exception as error:  # only sharded objects fail to adapt: every rank has to hear of it
             settle(error, what="checkpoint save", timeout=self.sync_timeout)
             raise
-        ranks = _sharing_ranks(objects)
+        ranks = sharing_ranks(objects)
         if len(ranks) > 1:
-            plan = self._agree(engine, objects, ranks)
+            decision = self._agree(engine, objects, ranks)
         else:
-            plan = self._plan_alone(engine, saver)
-        if plan is None:
+            decision = self._decide_alone(engine, saver)
+        if decision is None:
             return
-        request = self._request(plan, ranks)
+        request = self._request(decision, ranks)
         if self._background is not None:
-            stream = self._background.claim(f"{saver.identity}|{self.filename_prefix}|{_layout(self.to_save)}")
+            stream = self._background.claim(f"{saver.identity}|{self.filename_prefix}|{layout(self.to_save)}")
             request = dataclasses.replace(request, stream=stream)
             try:
                 self._background.start(
                     lambda: saver.stage(objects, request),
-                    what=plan.filename,
+                    what=decision.filename,
                     ranks=ranks,
-                    durable=lambda: self._finish(engine, plan, len(ranks) == 1, number),
+                    durable=lambda: self._finish(engine, decision, len(ranks) == 1, number),
                 )
             except Exception as error:
                 if len(ranks) == 1:
                     self._tell_failure(error)
                 raise
             return
-        failure = None
-        with busy(interval=min(1.0, self.sync_timeout / 4)):
+        with together(f"checkpoint save of {decision.filename}", timeout=self.sync_timeout, ranks=ranks):
             try:
-                saver.save(objects, request)
+                with busy(interval=min(1.0, self.sync_timeout / 4)):
+                    saver.save(objects, request)
             except Exception as error:
-                failure = error
-        if len(ranks) == 1 and failure is not None:
-            self._tell_failure(failure)
-        settle(failure, what=f"checkpoint save of {plan.filename}", timeout=self.sync_timeout, ranks=ranks)
-        self._finish(engine, plan, len(ranks) == 1, number)
+                if len(ranks) == 1:
+                    self._tell_failure(error)
+                raise
+        self._finish(engine, decision, len(ranks) == 1, number)
 
     def wait(self) -> None:
         """Block until the asynchronous save in progress, if any, is durable; raise its error if it failed.
@@ -262,42 +272,39 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             self._tell_failure(error)
             raise
 
-    def _agree(self, engine: Engine, objects: Any, ranks: list[int]) -> _SavePlan | None:
-        """Every rank's plan to the others; return the recipient's plan, which all follow."""
+    def _agree(self, engine: Engine, objects: Any, ranks: list[int]) -> _SaveDecision | None:
+        """Every rank's decision to the others; return the recipient's, which all follow."""
         rank, _ = rank_and_world()
-        plan, failure = None, None
-        try:
+        with together("checkpoint save", timeout=self.sync_timeout, ranks=ranks) as proposal:
             self.saver.check()
-            plan = self._plan(engine)
+            decision = self._decide(engine)
             for _, obj in tree.leaves(objects):
                 if isinstance(obj, ShardedState):
                     obj.check()
-        except Exception as error:
-            failure = error
-        payload = (plan, _layout(self.to_save))
-        proposals = settle(failure, what="checkpoint save", timeout=self.sync_timeout, payload=payload, ranks=ranks)
-        _check_layouts(dict(zip(ranks, (layout for _, layout in proposals))))
+            proposal.payload = (decision, layout(self.to_save))
+        proposals = proposal.payloads
+        check_layouts(dict(zip(ranks, (entries for _, entries in proposals))))
         if self.consolidate_recipient_rank not in ranks:
             raise ValueError(
                 f"The sharded objects of this checkpoint live on ranks {ranks}, which do not include the recipient, "
                 f"rank {self.consolidate_recipient_rank}. Set `consolidate_recipient_rank` to one of them."
             )
-        agreed: _SavePlan | None = proposals[ranks.index(self.consolidate_recipient_rank)][0]
-        if plan != agreed:
+        agreed: _SaveDecision | None = proposals[ranks.index(self.consolidate_recipient_rank)][0]
+        if decision != agreed:
             logger.warning(
                 "Rank %d planned %s, rank %d (the recipient) planned %s; following the recipient. Make "
                 "`score_function` and `global_step_transform` return the same value on every rank.",
                 rank,
-                _summary(plan),
+                _summary(decision),
                 self.consolidate_recipient_rank,
                 _summary(agreed),
             )
         return agreed
 
-    def _plan_alone(self, engine: Engine, saver: Saver) -> _SavePlan | None:
+    def _decide_alone(self, engine: Engine, saver: Saver) -> _SaveDecision | None:
         """A save of replicated state, which waits for nobody. A rank other than the recipient first takes up what
         the recipient posted after its saves: a failure, raised here too, or the checkpoints it retained after an
-        earlier save. Not after this same save, which the recipient may have finished first: its own plan then
+        earlier save. Not after this same save, which the recipient may have finished first: its own decision then
         holds that checkpoint already, and every rank calls its handler, as in ignite."""
         if rank_and_world()[0] != self.consolidate_recipient_rank:
             outcome = peek(self._outcome_key(saver))
@@ -310,11 +317,11 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                     )
                 if number < self._calls:
                     self._retain(saved)
-        return self._plan(engine)
+        return self._decide(engine)
 
     def _outcome_key(self, saver: Saver) -> str:
         """Where the recipient posts the outcome of its saves of replicated state, the same on every rank."""
-        identity = f"{saver.identity}|{self.filename_prefix}|{self.filename_pattern}|{_layout(self.to_save)}"
+        identity = f"{saver.identity}|{self.filename_prefix}|{self.filename_pattern}|{layout(self.to_save)}"
         return f"outcome/{zlib.crc32(identity.encode()):08x}"
 
     def _tell_failure(self, failure: BaseException) -> None:
@@ -330,32 +337,36 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
     def _retain(self, pairs: Any) -> None:
         self.load_state_dict(OrderedDict([("_saved", [(priority, filename) for priority, filename in pairs])]))
 
-    def _request(self, plan: _SavePlan, ranks: list[int]) -> SaveRequest:
+    def _request(self, decision: _SaveDecision, ranks: list[int]) -> SaveRequest:
         extra: dict[str, Any] = {}
         if self.include_self:  # ignite's own form: what its state_dict() returns after this save
-            extra["checkpointer"] = OrderedDict([("_saved", [(p, f) for p, f in plan.saved])])
+            extra["checkpointer"] = OrderedDict([("_saved", [(p, f) for p, f in decision.saved])])
         prefix = f"{self.filename_prefix}{'_' * int(len(self.filename_prefix) > 0)}"
         return SaveRequest(
-            filename=plan.filename,
-            name=plan.name,
-            metadata={"basename": f"{prefix}{plan.name}", "score_name": self.score_name, "priority": plan.priority},
-            removed=plan.removed,
+            filename=decision.filename,
+            name=decision.name,
+            metadata={
+                "basename": f"{prefix}{decision.name}",
+                "score_name": self.score_name,
+                "priority": decision.priority,
+            },
+            removed=decision.removed,
             recipient=self.consolidate_recipient_rank,
             ranks=tuple(ranks),
             timeout=self.sync_timeout,
             extra=extra,
         )
 
-    def _finish(self, engine: Engine, plan: _SavePlan, alone: bool, number: int) -> None:
+    def _finish(self, engine: Engine, decision: _SaveDecision, alone: bool, number: int) -> None:
         """The save ``number`` of this handler is durable: retain it, and post it for the other ranks of a save of
         replicated state."""
-        self._retain(plan.saved)
+        self._retain(decision.saved)
         if alone and rank_and_world()[0] == self.consolidate_recipient_rank:
-            post(self._outcome_key(self.saver), (number, list(plan.saved), None))
+            post(self._outcome_key(self.saver), (number, list(decision.saved), None))
         engine.fire_event(CheckpointEvents.SAVED_CHECKPOINT)
 
-    def _plan(self, engine: Engine) -> _SavePlan | None:
-        """This rank's view of what to save now; ``None`` when the score does not earn a place."""
+    def _decide(self, engine: Engine) -> _SaveDecision | None:
+        """This rank's decision of what to save now; ``None`` when the score does not earn a place."""
         global_step = None
         if self.global_step_transform is not None:
             global_step = self.global_step_transform(engine, engine.last_event_name)
@@ -396,7 +407,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             removed = (saved.pop(0)[1],)
         saved.append((priority, filename))
         saved.sort(key=lambda item: item[0])
-        return _SavePlan(filename, priority, name, tuple(saved), removed)
+        return _SaveDecision(filename, priority, name, tuple(saved), removed)
 
     def _filename_pattern(self, global_step: int | None) -> str:
         if self.filename_pattern is not None:
@@ -451,6 +462,24 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
 
         .. versionadded:: 0.1.0
         """
+        options = self.saver.storage_options if places is None else kwargs.get("storage_options")
+        found = self._find_latest(places, options)
+        if found is None:
+            return None
+        kwargs.setdefault("sync_timeout", self.sync_timeout)
+        kwargs.setdefault("storage_options", options)
+        # a replicated checkpoint's files that this host lacks, fetched even where the load itself is local
+        replicas.repair_before_load(found, options, self.sync_timeout)
+        type(self).load_objects(to_load=to_load, checkpoint=found, **kwargs)
+        name = Path(found).name
+        own = str(self.saver.location(name)) == found
+        listed = listed_on_every_rank(self.saver, self.sync_timeout)
+        self._retain(retention_until(name, listed, own=own, priority_in=self._priority_in, n_saved=self.n_saved))
+        return found
+
+    def _find_latest(self, places: Sequence[str | Path] | None, options: Mapping[str, Any] | None) -> str | None:
+        """:func:`~ignite_zero.find_latest` in ``places``, else in this handler's directory, once its own save in
+        progress is durable."""
         directory = self.saver.directory
         if directory is None and places is None:
             raise ValueError(
@@ -459,41 +488,12 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                 "find_latest."
             )
         self.wait()
-        options = self.saver.storage_options if places is None else kwargs.get("storage_options")
-        found = find_latest(
+        return find_latest(
             directory if places is None else places,  # type: ignore[arg-type]
             filename_prefix=self.filename_prefix,
             storage_options=options,
             sync_timeout=self.sync_timeout,
         )
-        if found is None:
-            return None
-        kwargs.setdefault("sync_timeout", self.sync_timeout)
-        kwargs.setdefault("storage_options", options)
-        # a replicated checkpoint's files that this host lacks, fetched even where the load itself is local
-        replicas.repair_before_load(found, options, self.sync_timeout)
-        type(self).load_objects(to_load=to_load, checkpoint=found, **kwargs)
-        # what every rank lists: node-local directories differ (a replaced host's is nearly empty), and retention taken
-        # from one of them alone would never remove the older checkpoints that only the others hold
-        listings = settle(None, what="listing of the checkpoints", timeout=self.sync_timeout, payload=self.saver.list())
-        name = Path(found).name
-        listed = sorted({listed for listing in listings for listed in listing})
-        self._retain(self._retention_until(name, listed, own=str(self.saver.location(name)) == found))
-        return found
-
-    def _retention_until(self, last: str, listed: Sequence[str], own: bool = True) -> list[tuple[int | float, str]]:
-        """The ``(priority, filename)`` pairs this handler keeps once ``last`` is its newest checkpoint: its own
-        names among those ``listed`` in its directory, read back with its file name pattern, up to ``last``, at most
-        ``n_saved``. Where ``last`` is another handler's (``own`` False: another tier), it is no name of this one's to
-        keep."""
-        pairs = [(priority, name) for name in listed if (priority := self._priority_in(name)) is not None]
-        ceiling = self._priority_in(last) if own else global_step_of(last)
-        # of its own checkpoints at another tier's step, none verified (else it would be newest): none is retained
-        kept = sorted(pair for pair in pairs if ceiling is None or pair[0] < ceiling or (own and pair[0] == ceiling))
-        kept = [pair for pair in kept if pair[1] != last]
-        if own:
-            kept.append((ceiling if ceiling is not None else 0, last))
-        return kept if self.n_saved is None else kept[-self.n_saved :]
 
     def _priority_in(self, filename: str) -> int | float | None:
         """The priority that this handler's file name pattern put in ``filename``, read by the rule of
@@ -649,7 +649,7 @@ class ModelCheckpoint(Checkpoint):
         async_save: bool = False,
         **kwargs: Any,
     ) -> None:
-        recipient = _resolve_recipient(consolidate_recipient_rank, save_on_rank, None)
+        recipient = resolve_recipient(consolidate_recipient_rank, save_on_rank, None)
         saver = saver_for(
             dirname, atomic=atomic, create_dir=create_dir, require_empty=require_empty, save_on_rank=recipient, **kwargs
         )
@@ -685,34 +685,6 @@ class ModelCheckpoint(Checkpoint):
         super().__call__(engine)
 
 
-def _resolve_recipient(consolidate_recipient_rank: int | None, save_on_rank: int | None, saver: Saver | None) -> int:
-    """The one rank that receives and writes, from the places a user may have named it."""
-    given = {}
-    if consolidate_recipient_rank is not None:
-        given["consolidate_recipient_rank"] = consolidate_recipient_rank
-    if save_on_rank is not None:
-        given["save_on_rank"] = save_on_rank
-    if saver is not None and saver.requested_rank is not None:
-        given["the save_handler's save_on_rank"] = saver.requested_rank
-    for name, rank in given.items():
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise ValueError(f"Argument `{name}` should be a non-negative integer, got {rank!r}")
-    if len(set(given.values())) > 1:
-        listing = ", ".join(f"{name}={rank}" for name, rank in given.items())
-        raise ValueError(
-            f"Conflicting writing ranks: {listing}. The rank that receives the consolidated state is the one that "
-            "writes: give one rank, e.g. only `consolidate_recipient_rank`."
-        )
-    recipient = next(iter(given.values()), 0)
-    _, world_size = rank_and_world()
-    if recipient >= world_size:
-        raise ValueError(
-            f"Recipient rank {recipient} is outside the process group of {world_size} ranks; choose a rank in "
-            f"[0, {world_size})"
-        )
-    return recipient
-
-
 def _check_objects(objects: Mapping, method: str) -> None:
     for path, obj in tree.leaves(objects):
         if not callable(getattr(obj, method, None)):
@@ -723,26 +695,5 @@ def _check_objects(objects: Mapping, method: str) -> None:
             )
 
 
-def _layout(objects: Any) -> list[str]:
-    """The entries each rank is about to save, to catch ranks whose ``to_save`` differ before any collective.
-
-    Only names count: a sharded optimizer on a sub-group sits beside a plain one on the other ranks.
-    """
-    return [tree.describe(path) for path, _ in tree.leaves(objects)]
-
-
-def _check_layouts(layouts: dict[int, list[str]]) -> None:
-    if len({tuple(layout) for layout in layouts.values()}) > 1:
-        listing = "; ".join(f"rank {rank}: {layout}" for rank, layout in layouts.items())
-        raise ValueError(f"`to_save` differs between ranks ({listing}); build it the same way on every rank.")
-
-
-def _sharing_ranks(objects: Any) -> list[int]:
-    """The ranks a save of ``objects`` needs: those holding a shard of one of them; this rank alone if none is
-    sharded, so that a save of replicated state never waits for a rank that may not call it."""
-    ranks = {rank for _, obj in tree.leaves(objects) if isinstance(obj, ShardedState) for rank in obj.ranks()}
-    return sorted(ranks) if ranks else [rank_and_world()[0]]
-
-
-def _summary(plan: _SavePlan | None) -> str:
-    return "no save" if plan is None else f"{plan.filename} (priority {plan.priority})"
+def _summary(decision: _SaveDecision | None) -> str:
+    return "no save" if decision is None else f"{decision.filename} (priority {decision.priority})"
