@@ -18,7 +18,8 @@ import sys
 import textwrap
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -64,8 +65,7 @@ def _wrap(text: str) -> str:
     return textwrap.fill(text, width=100)
 
 
-# A conversion reads this much at a time, and reports its progress after each.
-# conversions smaller than this end before a progress bar would tell anything
+# Conversions smaller than this end before a progress bar would tell anything.
 _PROGRESS_FROM_BYTES = 512 * 2**20
 
 
@@ -182,6 +182,7 @@ class _Progress:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The ``ignite-zero`` command line: one subcommand per job, each with the storage options."""
     parser = argparse.ArgumentParser(
         prog="ignite-zero",
         description="Inspect, verify, consolidate and export ignite_zero checkpoints.",
@@ -189,7 +190,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True)
-    raw = argparse.RawDescriptionHelpFormatter
+    storage = _storage_arguments()
+    for name, command in _COMMANDS.items():
+        command.arguments(
+            commands.add_parser(
+                name,
+                parents=[storage],
+                help=command.help,
+                description=_wrap(command.description),
+                epilog=command.epilog,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
+        )
+    return parser
+
+
+def _storage_arguments() -> argparse.ArgumentParser:
+    """The options every subcommand shares: how to reach a URL, and whether to trust what a checkpoint holds."""
     storage = argparse.ArgumentParser(add_help=False)
     storage.add_argument(
         "--storage-option",
@@ -208,73 +225,24 @@ def _parser() -> argparse.ArgumentParser:
         "Python. Only for a checkpoint whose source you vouch for; without it, a pickle that would build anything "
         "but data is refused (exit status 1).",
     )
-    inspect = commands.add_parser(
-        "inspect",
-        parents=[storage],
-        help="list the objects, tensors, shapes, dtypes and sizes of a checkpoint, and how it was written",
-        description=_wrap(
-            "List the objects, tensors, shapes, dtypes and sizes of a checkpoint file or sharded checkpoint "
-            "directory, with the world size and the torch version it was saved with."
-        ),
-        epilog=_JSON_SCHEMA
-        + "\n"
-        + _exit_status("0    listed", "1    missing, or not a checkpoint (truncated, corrupt, another format)"),
-        formatter_class=raw,
-    )
+    return storage
+
+
+def _inspect_arguments(inspect: argparse.ArgumentParser) -> None:
     inspect.add_argument("path", type=_where, help="checkpoint file, or sharded checkpoint directory: a path or a URL")
     inspect.add_argument("--json", action="store_true", help="print the listing as JSON, for scripts (see below)")
-    verify = commands.add_parser(
-        "verify",
-        parents=[storage],
-        help="check a checkpoint against its checksums; exit 1 if it is corrupt, truncated or incomplete",
-        description=_wrap(
-            "Check a checkpoint file against its integrity trailer, or a sharded directory against its manifest. On "
-            "one host's directory of a replicated checkpoint (ShardedSaver(..., replicas=k) on node-local disks), "
-            "it checks the files that this host holds, fails if one that it keeps is missing, and names the files "
-            "that live on other hosts only."
-        ),
-        epilog=_exit_status(
-            "0    it matches",
-            "1    corrupt, truncated, incomplete or missing",
-            usage="wrong arguments, or nothing to check against (another tool wrote it): it loads, unverified",
-        ),
-        formatter_class=raw,
-    )
+
+
+def _verify_arguments(verify: argparse.ArgumentParser) -> None:
     verify.add_argument("path", type=_where, help="checkpoint file, or sharded checkpoint directory: a path or a URL")
-    consolidate = commands.add_parser(
-        "consolidate",
-        parents=[storage],
-        help="turn a sharded checkpoint directory into one file that loads anywhere",
-        description=_wrap(
-            "Read a sharded checkpoint directory entry by entry and write it as one checkpoint file, which "
-            "Checkpoint.load_objects reads on any number of ranks or in one process. Memory holds at most "
-            f"{WINDOW_BYTES >> 20} MiB of the tensors' rows at a time, plus the non-tensor values, whatever the "
-            "size of the checkpoint (a directory whose manifest records no entries, another tool's, holds its "
-            "largest tensor). Every entry is checked against the manifest as it is read; the file appears whole "
-            "or not at all, and never overwrites."
-        ),
-        epilog=_exit_status(
-            "0    written", "1    the source is missing, not a sharded directory or corrupt, or the target exists"
-        ),
-        formatter_class=raw,
-    )
+
+
+def _consolidate_arguments(consolidate: argparse.ArgumentParser) -> None:
     consolidate.add_argument("source", type=_where, help="sharded checkpoint directory (.dcp): a path or a URL")
     consolidate.add_argument("target", type=_where, help="checkpoint file to write (a path or a URL); must not exist")
-    export = commands.add_parser(
-        "export",
-        parents=[storage],
-        help="write a model's weights as Hugging Face-style safetensors, tensor by tensor",
-        description=_wrap(
-            "Write the weights of one object of a checkpoint file or sharded directory as safetensors: "
-            "model.safetensors, or shards and model.safetensors.index.json. Memory holds one tensor at a time; "
-            "never overwrites."
-        ),
-        epilog=_exit_status(
-            "0    written",
-            "1    the source is missing or corrupt, it has no such object, or the target exists",
-        ),
-        formatter_class=raw,
-    )
+
+
+def _export_arguments(export: argparse.ArgumentParser) -> None:
     export.add_argument("source", type=_where, help="checkpoint file, or sharded checkpoint directory: a path or a URL")
     export.add_argument("target", type=_where, help="directory to write; must not exist")
     export.add_argument("--format", choices=["safetensors"], default="safetensors", help="output format")
@@ -283,7 +251,66 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--max-shard-size", type=_byte_size, default="5GB", help="largest file, e.g. 5GB, 500MB (default: 5GB)"
     )
-    return parser
+
+
+@dataclass(frozen=True)
+class _Command:
+    """A subcommand's texts in ``--help``, and what adds its own arguments."""
+
+    help: str
+    description: str  # wrapped to the terminal's width
+    epilog: str  # printed as written
+    arguments: Callable[[argparse.ArgumentParser], None]
+
+
+_COMMANDS = {
+    "inspect": _Command(
+        help="list the objects, tensors, shapes, dtypes and sizes of a checkpoint, and how it was written",
+        description="List the objects, tensors, shapes, dtypes and sizes of a checkpoint file or sharded checkpoint "
+        "directory, with the world size and the torch version it was saved with.",
+        epilog=_JSON_SCHEMA
+        + "\n"
+        + _exit_status("0    listed", "1    missing, or not a checkpoint (truncated, corrupt, another format)"),
+        arguments=_inspect_arguments,
+    ),
+    "verify": _Command(
+        help="check a checkpoint against its checksums; exit 1 if it is corrupt, truncated or incomplete",
+        description="Check a checkpoint file against its integrity trailer, or a sharded directory against its "
+        "manifest. On one host's directory of a replicated checkpoint (ShardedSaver(..., replicas=k) on node-local "
+        "disks), it checks the files that this host holds, fails if one that it keeps is missing, and names the "
+        "files that live on other hosts only.",
+        epilog=_exit_status(
+            "0    it matches",
+            "1    corrupt, truncated, incomplete or missing",
+            usage="wrong arguments, or nothing to check against (another tool wrote it): it loads, unverified",
+        ),
+        arguments=_verify_arguments,
+    ),
+    "consolidate": _Command(
+        help="turn a sharded checkpoint directory into one file that loads anywhere",
+        description="Read a sharded checkpoint directory entry by entry and write it as one checkpoint file, which "
+        "Checkpoint.load_objects reads on any number of ranks or in one process. Memory holds at most "
+        f"{WINDOW_BYTES >> 20} MiB of the tensors' rows at a time, plus the non-tensor values, whatever the "
+        "size of the checkpoint (a directory whose manifest records no entries, another tool's, holds its "
+        "largest tensor). Every entry is checked against the manifest as it is read; the file appears whole "
+        "or not at all, and never overwrites.",
+        epilog=_exit_status(
+            "0    written", "1    the source is missing, not a sharded directory or corrupt, or the target exists"
+        ),
+        arguments=_consolidate_arguments,
+    ),
+    "export": _Command(
+        help="write a model's weights as Hugging Face-style safetensors, tensor by tensor",
+        description="Write the weights of one object of a checkpoint file or sharded directory as safetensors: "
+        "model.safetensors, or shards and model.safetensors.index.json. Memory holds one tensor at a time; "
+        "never overwrites.",
+        epilog=_exit_status(
+            "0    written",
+            "1    the source is missing or corrupt, it has no such object, or the target exists",
+        ),
+        arguments=_export_arguments,
+    ),
+}
 
 
 def _version() -> str:
