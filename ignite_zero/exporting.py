@@ -102,14 +102,33 @@ def export(
     target = Path(target)
     if target.exists():
         raise FileExistsError(f"{target} exists; export never overwrites: choose another directory")
+    entries, aliases = _entries(_verified_reader(source, storage_options, weights_only), only, dtype)
+    return _write_directory(target, _shards(entries, max_shard_size), aliases, progress)
+
+
+def _verified_reader(source: str | Path, storage_options: Mapping[str, Any] | None, weights_only: bool) -> Reader:
+    """The reader of the checkpoint ``source``, verified before any tensor is exported.
+
+    Raises:
+        FileNotFoundError: ``source`` does not exist.
+    """
     reader = reader_for(source, storage_options)
     reader.trusted = not weights_only
     if reader.identity() is None:
         raise FileNotFoundError(f"Checkpoint {source} does not exist")
     # mapped tensors are not checked as they are read: all of them first; tensors read by ranges are checked as read
     reader.verify(whole=place_of(source, storage_options).maps_files)
-    entries, aliases = _entries(reader, only, dtype)
-    shards = _shards(entries, max_shard_size)
+    return reader
+
+
+def _write_directory(
+    target: Path,
+    shards: list[list[ExportedTensor]],
+    aliases: dict[str, str],
+    progress: Callable[[int, int], None] | None,
+) -> list[Path]:
+    """Write ``shards`` as safetensors files, and their index if there are several, into the new directory
+    ``target``, which appears whole or not at all; return the files written."""
     partial = target.with_name(f".{target.name}.ignite_zero-{uuid.uuid4().hex[:12]}.tmp")
     partial.mkdir(parents=True)
     names = (
@@ -118,7 +137,7 @@ def export(
         else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     )
     metadata = {"format": "pt", "ignite_zero.aliases": json.dumps(aliases, sort_keys=True)} if aliases else None
-    total = sum(entry.nbytes for entry in entries)
+    total = sum(entry.nbytes for shard in shards for entry in shard)
     written = 0
 
     def wrote(nbytes: int) -> None:
@@ -130,14 +149,19 @@ def export(
     for name, shard in zip(names, shards):
         _write_file(partial / name, shard, metadata or {"format": "pt"}, wrote)
     if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": total},
-            "weight_map": {entry.name: name for name, shard in zip(names, shards) for entry in shard},
-        }
-        (partial / _INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+        _write_index(partial / _INDEX, names, shards, total)
         names.append(_INDEX)
-    os.rename(partial, target)  # the directory appears whole or not at all
+    os.rename(partial, target)
     return [target / name for name in names]
+
+
+def _write_index(path: Path, names: list[str], shards: list[list[ExportedTensor]], total: int) -> None:
+    """The index of a sharded export: which file holds each tensor, as Hugging Face's loaders read it."""
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {entry.name: name for name, shard in zip(names, shards) for entry in shard},
+    }
+    path.write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
 def _entries(reader: Reader, only: str, dtype: torch.dtype | None) -> tuple[list[ExportedTensor], dict[str, str]]:
