@@ -18,15 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import FlatParameter, FullyShardedDataParallel, ShardingStrategy
 
 from ignite_zero import _compat
-from ignite_zero.adapters._fsdp_common import (
-    LoadPlan,
-    ParamLayout,
-    Slot,
-    add_value,
-    clean_name,
-    has_extra_state,
-    whole_slot,
-)
+from ignite_zero.adapters._fsdp_common import ParamLayout, PendingModelLoad, Slot, add_unsharded, clean_name, whole_slot
 from ignite_zero.adapters.regions import Pieces
 
 __all__ = ["check", "model_pieces", "param_layouts", "plan_model_load"]
@@ -124,19 +116,16 @@ def model_pieces(module: nn.Module) -> Pieces:
     for prefix, m in _plain_modules(module):
         for add in owned.get(id(m), []):
             add()
-        for name, value in [*_unmanaged_parameters(m), *_persistent_buffers(m)]:
-            add_value(pieces, (prefix + name,), value)
-        if has_extra_state(m):
-            add_value(pieces, (prefix + "_extra_state",), m.get_extra_state())
+        add_unsharded(pieces, prefix, m, [*_unmanaged_parameters(m), *_persistent_buffers(m)])
     return pieces
 
 
-def plan_model_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> LoadPlan:
+def plan_model_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> PendingModelLoad:
     """How to copy this rank's part of a full model state into its shards, buffers and extra state; local.
 
     The plan checks everything before it copies anything.
     """
-    plan = LoadPlan(type(module).__name__, state_dict, strict)
+    plan = PendingModelLoad(type(module).__name__, state_dict, strict)
     for unit in _units(module):
         shard = _compat.fsdp1_local_shard(unit.flat)
         for entry in unit.entries:
@@ -147,14 +136,7 @@ def plan_model_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
         for shared in unit.shared:  # loaded through its primary
             plan.expect(unit.name(shared.name), None)
     for prefix, m in _plain_modules(module):
-        for name, value in [*_unmanaged_parameters(m), *_persistent_buffers(m)]:
-            saved = plan.expect(prefix + name, tuple(value.shape))
-            if saved is not None:
-                plan.copy(value, saved)
-        if has_extra_state(m):
-            saved = plan.expect(prefix + "_extra_state", None)
-            if saved is not None:
-                plan.call(m.set_extra_state, saved)
+        plan.expect_unsharded(prefix, m, [*_unmanaged_parameters(m), *_persistent_buffers(m)])
     return plan
 
 

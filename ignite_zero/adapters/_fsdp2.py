@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement
 
 from ignite_zero import _compat
-from ignite_zero.adapters._fsdp_common import LoadPlan, ParamLayout, Slot, add_value, clean_name, whole_slot
+from ignite_zero.adapters._fsdp_common import ParamLayout, PendingModelLoad, Slot, add_value, clean_name, whole_slot
 from ignite_zero.adapters.regions import Box, Pieces
 
 __all__ = [
@@ -147,7 +147,7 @@ def model_pieces(module: nn.Module) -> Pieces:
     return pieces
 
 
-def plan_model_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> LoadPlan:
+def plan_model_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> PendingModelLoad:
     """How to copy this rank's part of a full model state into its shards; local, one tensor at a time.
 
     Each rank copies its rows into the local tensors of the DTensors ``state_dict()`` returns (views of the
@@ -155,7 +155,7 @@ def plan_model_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
     on those same tensors (copying a tensor onto itself allocates nothing). The plan checks everything before it
     copies anything.
     """
-    plan = LoadPlan(type(module).__name__, state_dict, strict)
+    plan = PendingModelLoad(type(module).__name__, state_dict, strict)
     to_load: dict[str, Any] = {}
     for raw_name, current in module.state_dict().items():
         name = clean_name(raw_name)

@@ -9,7 +9,7 @@ FSDP kinds differ only in how they find them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +20,12 @@ from ignite_zero.adapters.regions import Box, Pieces
 from ignite_zero.loading import deferred
 
 __all__ = [
-    "LoadPlan",
+    "PendingModelLoad",
     "ParamLayout",
     "Slot",
     "add_piece",
     "add_value",
+    "add_unsharded",
     "clean_name",
     "has_extra_state",
     "whole_slot",
@@ -124,6 +125,15 @@ def add_piece(pieces: Pieces, key: tuple[Any, ...], box: Box, piece: torch.Tenso
         pieces.add(key, box, piece, layout)
 
 
+def add_unsharded(pieces: Pieces, prefix: str, module: nn.Module, tensors: Iterable[tuple[str, Any]]) -> None:
+    """Add a module's ``tensors`` that every rank holds whole, then its extra state if it defines any, under their
+    names in the unwrapped ``state_dict()`` (``prefix`` + name)."""
+    for name, value in tensors:
+        add_value(pieces, (prefix + name,), value)
+    if has_extra_state(module):
+        add_value(pieces, (prefix + "_extra_state",), module.get_extra_state())
+
+
 def add_value(pieces: Pieces, key: tuple[Any, ...], value: Any) -> None:
     """``pieces.add_whole`` with the same care for tensors without elements as :func:`add_piece`."""
     if isinstance(value, torch.Tensor):
@@ -132,7 +142,7 @@ def add_value(pieces: Pieces, key: tuple[Any, ...], value: Any) -> None:
         pieces.add_whole(key, value)
 
 
-class LoadPlan:
+class PendingModelLoad:
     """Loading a full model state in two steps: check every entry, then change the module.
 
     Errors read as ``nn.Module.load_state_dict``'s, and a module is left untouched when there are any.
@@ -168,6 +178,18 @@ class LoadPlan:
             )
             return None
         return value
+
+    def expect_unsharded(self, prefix: str, module: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the saved values of a module's ``tensors`` that every rank holds whole, and set its extra state if it
+        defines any, when the load runs; entries are named as :func:`add_unsharded` names them."""
+        for name, value in tensors:
+            saved = self.expect(prefix + name, tuple(value.shape))
+            if saved is not None:
+                self.copy(value, saved)
+        if has_extra_state(module):
+            saved = self.expect(prefix + "_extra_state", None)
+            if saved is not None:
+                self.call(module.set_extra_state, saved)
 
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
         """Copy ``source`` into ``target`` when the plan runs (reading it then, if deferred)."""

@@ -47,26 +47,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ignite_zero import _compat
-from ignite_zero.adapters._fsdp_common import (
-    LoadPlan,
-    ParamLayout,
-    Slot,
-    add_value,
-    clean_name,
-    has_extra_state,
-    whole_slot,
-)
+from ignite_zero.adapters._fsdp_common import ParamLayout, PendingModelLoad, Slot, add_unsharded, clean_name, whole_slot
 from ignite_zero.adapters.base import ShardedState
 
 # The optimizer state is the FSDP1/FSDP2 adapters' format: their helpers build, check and split it.
-from ignite_zero.adapters.fsdp import (
-    assemble_optimizer_state,
-    check_optimizer_state,
-    is_fsdp_module,
-    local_optimizer_state,
-    optimizer_pieces,
-    owns_parameters,
-)
+from ignite_zero.adapters.fsdp import OptimizerStateByName, check_optimizer_state, is_fsdp_module, local_optimizer_state
 from ignite_zero.adapters.regions import Pieces, gather_pieces
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.transport import Overlap
@@ -198,16 +183,17 @@ class _Layout:
         for m, prefix in self.plain:
             for add in owned.get(id(m), []):
                 add()
-            for name, value in self._replicated(m):
-                upcast = id(m) in self.upcast and value.is_floating_point()
-                add_value(pieces, (prefix + name,), value.float() if upcast else value)
-            if has_extra_state(m):
-                add_value(pieces, (prefix + "_extra_state",), m.get_extra_state())
+            upcast = id(m) in self.upcast
+            tensors = [
+                (name, value.float() if upcast and value.is_floating_point() else value)
+                for name, value in self._replicated(m)
+            ]
+            add_unsharded(pieces, prefix, m, tensors)
         return pieces
 
-    def plan_model_load(self, owner: str, state_dict: Mapping[str, Any], strict: bool) -> LoadPlan:
+    def plan_model_load(self, owner: str, state_dict: Mapping[str, Any], strict: bool) -> PendingModelLoad:
         """How to copy this rank's part of a full model state into its shards, buffers and extra state; local."""
-        plan = LoadPlan(owner, state_dict, strict)
+        plan = PendingModelLoad(owner, state_dict, strict)
         for param in self.params:
             for slot in param.slots:
                 value = plan.expect(slot.name, slot.shape)
@@ -216,14 +202,7 @@ class _Layout:
             for _, name, _ in param.aliases:  # loaded through its primary
                 plan.expect(name, None)
         for m, prefix in self.plain:
-            for name, value in self._replicated(m):
-                saved = plan.expect(prefix + name, tuple(value.shape))
-                if saved is not None:
-                    plan.copy(value, saved)
-            if has_extra_state(m):
-                saved = plan.expect(prefix + "_extra_state", None)
-                if saved is not None:
-                    plan.call(m.set_extra_state, saved)
+            plan.expect_unsharded(prefix, m, self._replicated(m))
         for unit in self.units:  # full parameters kept from a forward would hide what was loaded
             plan.call(_compat.fairscale_release_full_params, unit)
         return plan
@@ -398,7 +377,7 @@ class FairscaleFSDPModelState(_FairscaleState):
         _Layout(self.module).plan_model_load(type(self.module).__name__, state_dict, strict).check()
 
 
-class FairscaleFSDPOptimizerState(_FairscaleState):
+class FairscaleFSDPOptimizerState(OptimizerStateByName, _FairscaleState):
     """Full state of the optimizer of a fairscale ``FullyShardedDataParallel`` model, keyed by parameter names, on
     one rank.
 
@@ -433,6 +412,8 @@ class FairscaleFSDPOptimizerState(_FairscaleState):
     .. versionadded:: 0.1.0
     """
 
+    sharded_by = "wrapping"
+
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, recipient_rank: int = 0, *, name: str | None = None
     ) -> None:
@@ -442,26 +423,9 @@ class FairscaleFSDPOptimizerState(_FairscaleState):
         optimizer = f"The optimizer {self.name}" if self.name else f"This {type(self.obj).__name__}"
         return f"{optimizer} updates a fairscale FullyShardedDataParallel model"
 
-    def check(self) -> None:
-        """As :meth:`FairscaleFSDPModelState.check`; also raises ``ValueError`` if some parameter of the optimizer
-        does not belong to the module."""
-        super().check()
-        if not owns_parameters(self.module, self.obj):
-            raise ValueError(
-                f"Some parameters of this {type(self.obj).__name__} do not belong to the {type(self.module).__name__} "
-                "it is paired with: build the optimizer on that module's parameters, after wrapping it"
-            )
-
-    def snapshot(self) -> tuple[Pieces, list[dict[str, Any]]]:
-        """This rank's part of the optimizer state as pieces of the full tensors (views), and the parameter groups
-        by name."""
-        return optimizer_pieces(self.obj, _Layout(self.module).param_layouts())
-
-    def assemble(
-        self, snapshot: tuple[Pieces, list[dict[str, Any]]], group: Any, overlap: Overlap | None = None
-    ) -> dict[str, Any]:
-        """Collective over ``group``: the full optimizer state on the recipient, ``{}`` on every other rank."""
-        return assemble_optimizer_state(snapshot, self.recipient_rank, group, overlap)
+    def param_layouts(self) -> dict[int, ParamLayout]:
+        """The layout of every parameter the optimizer may hold, by ``id``."""
+        return _Layout(self.module).param_layouts()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore this rank's part of the optimizer state from a full, name-keyed one; local.

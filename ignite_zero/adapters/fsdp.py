@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from abc import abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import ModuleType
@@ -257,7 +258,41 @@ class FSDPModelState(_FSDPState):
         return plan.run
 
 
-class FSDPOptimizerState(_FSDPState):
+class OptimizerStateByName(ShardedState):
+    """What the adapters of an optimizer of a sharded model share (torch's FSDP1 and FSDP2, fairscale's FSDP): the
+    optimizer is built on the model's parameters, and its state is laid out like them and keyed by their names."""
+
+    module: nn.Module
+    #: how the model was made sharded, for the message of an optimizer built before that
+    sharded_by = "sharding"
+
+    @abstractmethod
+    def param_layouts(self) -> dict[int, ParamLayout]:
+        """The layout of every parameter the optimizer may hold, by ``id``."""
+
+    def check(self) -> None:
+        """As the model's adapter checks; also raises ``ValueError`` if some parameter of the optimizer does not
+        belong to the module."""
+        super().check()
+        if not owns_parameters(self.module, self.obj):
+            raise ValueError(
+                f"Some parameters of this {type(self.obj).__name__} do not belong to the {type(self.module).__name__} "
+                f"it is paired with: build the optimizer on that module's parameters, after {self.sharded_by} it"
+            )
+
+    def snapshot(self) -> tuple[Pieces, list[dict[str, Any]]]:
+        """This rank's part of the optimizer state as pieces of the full tensors (views), and the parameter groups
+        by name."""
+        return optimizer_pieces(self.obj, self.param_layouts())
+
+    def assemble(
+        self, snapshot: tuple[Pieces, list[dict[str, Any]]], group: Any, overlap: Overlap | None = None
+    ) -> dict[str, Any]:
+        """Collective over ``group``: the full optimizer state on the recipient, ``{}`` on every other rank."""
+        return assemble_optimizer_state(snapshot, self.recipient_rank, group, overlap)
+
+
+class FSDPOptimizerState(OptimizerStateByName, _FSDPState):
     """Full state of the optimizer of an FSDP1 or FSDP2 model, keyed by parameter names, on one rank.
 
     ``state_dict()`` is a collective returning on the recipient what
@@ -293,26 +328,9 @@ class FSDPOptimizerState(_FSDPState):
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, recipient_rank: int = 0) -> None:
         super().__init__(optimizer, module, recipient_rank)
 
-    def check(self) -> None:
-        """As :meth:`FSDPModelState.check`; also raises ``ValueError`` if some parameter of the optimizer does
-        not belong to the module."""
-        super().check()
-        if not owns_parameters(self.module, self.obj):
-            raise ValueError(
-                f"Some parameters of this {type(self.obj).__name__} do not belong to the {type(self.module).__name__} "
-                "it is paired with: build the optimizer on that module's parameters, after sharding it"
-            )
-
-    def snapshot(self) -> tuple[Pieces, list[dict[str, Any]]]:
-        """This rank's part of the optimizer state as pieces of the full tensors (views), and the parameter groups
-        by name."""
-        return optimizer_pieces(self.obj, _param_layouts(self.module))
-
-    def assemble(
-        self, snapshot: tuple[Pieces, list[dict[str, Any]]], group: Any, overlap: Overlap | None = None
-    ) -> dict[str, Any]:
-        """Collective over ``group``: the full optimizer state on the recipient, ``{}`` on every other rank."""
-        return assemble_optimizer_state(snapshot, self.recipient_rank, group, overlap)
+    def param_layouts(self) -> dict[int, ParamLayout]:
+        """The layout of every parameter the optimizer may hold, by ``id``."""
+        return _param_layouts(self.module)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's part of the optimizer state by parameter names, as ``get_optimizer_state_dict`` gives it,
@@ -373,8 +391,8 @@ def _quiet_state_dict_apis() -> Iterator[None]:
 
 def _template(state: Any, live: bool) -> Any:
     """``state`` itself when ``live``, else with new, empty tensors of the same layout: reading a checkpoint into them
-    changes nothing live. Live, FSDP2's sharded state reads into its parameters and optimizer state: 0.3 GB on tmpfs
-    took 0.19 s into new tensors (page faults), 0.08 s into those."""
+    changes nothing live. Live, FSDP2's sharded state reads into its parameters and optimizer state, which spares the
+    page faults of new tensors (the benchmarks page of the docs has figures)."""
     if live:
         return state
 
