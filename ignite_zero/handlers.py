@@ -117,7 +117,7 @@ class SaveOnSignal:
     - At each iteration boundary (``Events.ITERATION_COMPLETED``), a rank that noted a signal proposes a target
       iteration, its own plus ``margin``, in the default process group's store; the first proposal wins (one
       atomic ``compare_set``), and every proposer gets the winner. A rank that noted nothing looks for a target
-      at each boundary until it finds one: one ``store.check``, well below 1 ms (see the measurement in the code).
+      at each boundary until it finds one: one ``store.check`` (the benchmarks page of the docs has its cost).
       Each run has a key of its own, counted alike on every rank and afresh in a new process group.
     - Each rank saves and stops at the boundary of the target iteration. Ranks of a job with a collective in every
       step (DDP, ZeRO, FSDP) are never more than one iteration apart, so with the default margin of 2 every rank
@@ -255,9 +255,7 @@ class SaveOnSignal:
         signal.signal(number, signal.SIG_DFL)
 
     def _at_boundary(self, engine: Engine) -> None:
-        # While no rank got a signal this costs one store.check: median per iteration on 2 ranks over 5000
-        # iterations, 10-16 us with a FileStore (file://) and 32-42 us with a TCPStore (tcp://, both on
-        # localhost; torch 2.13 CPU, 2 cores). A TCPStore on another host adds a network round trip.
+        # While no rank got a signal this is one store.check, cheap enough to ask at every iteration.
         iteration = engine.state.iteration
         if self._target is None:
             rank, world_size = rank_and_world()
