@@ -404,7 +404,7 @@ class FairscaleFSDPOptimizerState(OptimizerStateByName, _FairscaleState):
 
             from ignite_zero.adapters import FairscaleFSDPOptimizerState
 
-            state = FairscaleFSDPOptimizerState(model, optimizer, recipient_rank=0)
+            state = FairscaleFSDPOptimizerState(model, optimizer, recipient_rank=0, name="optimizer")
             full = state.state_dict()  # on every rank; the full state on rank 0
             ...
             state.load_state_dict(torch.load(path, mmap=True, weights_only=True)["optimizer"])
