@@ -37,7 +37,7 @@ nitpick_ignore_regex = [
 # Types that public signatures and docstrings name but that are not public themselves: the storage protocols
 # behind the savers, and their methods.
 nitpick_ignore_regex += [
-    (r"py:.*", r"ignite_zero\.storage\.(savers\.base\.Saver|places\.Place|formats\.file\.Stored)(\..*)?"),
+    (r"py:.*", r"ignite_zero\.storage\.(savers\.base\.Saver|places\.Place|formats\.file_trailer\.Stored)(\..*)?"),
 ]
 
 

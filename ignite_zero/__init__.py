@@ -16,8 +16,8 @@ from ignite_zero.handlers import ConsolidateZeROHandler, SaveOnSignal
 from ignite_zero.loading.latest import find_latest
 from ignite_zero.rng import RandomState
 from ignite_zero.storage import DiskSaver, ShardedSaver
-from ignite_zero.storage.formats.base import UnsafeCheckpointError
-from ignite_zero.storage.formats.file import IntegrityError, verify_file
+from ignite_zero.storage.formats.base import IntegrityError, UnsafeCheckpointError
+from ignite_zero.storage.formats.file_verification import verify_file
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT",

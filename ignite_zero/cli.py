@@ -28,10 +28,11 @@ import torch
 
 from ignite_zero import __version__
 from ignite_zero.exporting import DTYPES, export
+from ignite_zero.loading.whole import streamed_state
 from ignite_zero.storage import replicas
 from ignite_zero.storage.formats import IntegrityError, Reader, reader_for
 from ignite_zero.storage.formats.base import UnsafeCheckpointError, human_size
-from ignite_zero.storage.formats.consolidation import WINDOW_BYTES, streamed_state
+from ignite_zero.storage.formats.consolidation import WINDOW_BYTES
 from ignite_zero.storage.formats.directory import DirectoryReader
 from ignite_zero.storage.places import is_url, split
 from ignite_zero.storage.savers.disk import DiskSaver

@@ -40,8 +40,10 @@ from ignite_zero import transport, tree
 from ignite_zero.adapters import ShardedState, adapt, in_loadable_form
 from ignite_zero.agreement import rank_and_world, settle
 from ignite_zero.loading import deferred
+from ignite_zero.loading.entries import ShardedEntry, entries_for, entries_of
+from ignite_zero.loading.whole import as_one_file
 from ignite_zero.storage import replicas
-from ignite_zero.storage.formats import Filled, Reader, entries_of, reader_for
+from ignite_zero.storage.formats import Reader, reader_for
 from ignite_zero.transport.groups import cpu_group
 
 __all__ = ["restore"]
@@ -89,7 +91,10 @@ def _restore(
 ) -> None:
     rank, world_size = rank_and_world()
     if not _collective(objects):
-        local = entries_of(objects, checkpoint) if reader is None else _verified(reader).entries(objects, weights_only)
+        if reader is None:
+            local = entries_of(objects, checkpoint)
+        else:
+            local = entries_for(_verified(reader), objects, weights_only)
         # read whole into new tensors, each checked, before anything changes: a corrupt record changes nothing
         for load in _prepare(objects, _for_plain_optimizers(objects, deferred.realize_all(local)), kwargs):
             load()
@@ -116,11 +121,11 @@ def _restore(
             entries = entries_of(objects, checkpoint)
         elif identity is not None and _serves(rank, seers, world_size):  # reads for others: all of it, mapped
             reader.verify(whole=True)
-            entries = entries_of(objects, reader.load(weights_only))
+            entries = entries_of(objects, as_one_file(reader, reader.load(weights_only)))
         elif identity is not None:
             if _verifies(rank, reports, seers):
                 reader.verify(whole=False)
-            entries = reader.entries(objects, weights_only, into_objects=True)
+            entries = entries_for(reader, objects, weights_only, into_objects=True)
         entries = _for_plain_optimizers(objects, _distribute(entries, [need for _, _, need, _ in reports], seers))
         loads = _prepare(objects, entries, kwargs)
     except Exception as error:
@@ -225,7 +230,7 @@ def _prepare(objects: Any, entries: Any, kwargs: Mapping) -> list[Callable[[], N
     loads: list[Callable[[], None]] = []
 
     def prepare(path: str, obj: Any, entry: Any) -> None:
-        if isinstance(obj, ShardedState) and not isinstance(entry, Filled):
+        if isinstance(obj, ShardedState) and not isinstance(entry, ShardedEntry):
             # an adapter that loads deferred tensors reads its parts of them as it loads, as its check planned; the
             # others take their (small) entries read whole now
             entry = entry if obj.loads_deferred else deferred.realize_all(entry)
@@ -240,7 +245,7 @@ def _prepare(objects: Any, entries: Any, kwargs: Mapping) -> list[Callable[[], N
 
 def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:
     """Refuse, before anything is loaded, an entry that would not load."""
-    if isinstance(entry, Filled):  # read through the object's own template: its names were checked by the read
+    if isinstance(entry, ShardedEntry):  # read through the object's own template: its names were checked by the read
         return
     if not isinstance(obj, nn.Module) or not kwargs.get("strict", True):
         return
@@ -267,7 +272,7 @@ def _check_entry(path: str, obj: Any, entry: Any, kwargs: Mapping) -> None:
 def _load_entry(obj: Any, entry: Any, kwargs: Mapping) -> None:
     """Restore ``obj`` from ``entry``, whose tensors may be deferred: read straight into ``obj``'s own tensors where
     ``obj`` is a module, else into new ones first (adapters of sharded state load as :func:`_prepare` prepared them)."""
-    if isinstance(entry, Filled):
+    if isinstance(entry, ShardedEntry):
         if entry.read is not None:
             entry.read()
         obj.load_sharded(entry.state)

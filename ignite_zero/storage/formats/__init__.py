@@ -1,18 +1,25 @@
 """Checkpoint formats, one module each, behind one protocol (:class:`~ignite_zero.storage.formats.base.Reader`).
 
-=============  ===============================================================================================
-``base``       the protocol, and what the formats share: :class:`IntegrityError`, :func:`crc32`
-``file``       one file: torch's zip archive sealed with an integrity trailer (:class:`SealingStream` writes it,
-               :class:`FileReader` reads it); a consolidated save, or plain ``torch.save``
-``directory``  a sharded directory: ``torch.distributed.checkpoint``'s, sealed with a manifest of every file
-               (:class:`DirectoryWriter` writes it, :class:`DirectoryReader` reads it)
-``dcp_files``  DCP's files, written straight from tensor memory and read into place, through a place
-``dcp_plans``  DCP's save plans, agreed in the saver's own rounds and kept between saves
-``torch_zip``  ``torch.save``'s archive, written record by record
-=============  ===============================================================================================
+=====================  =======================================================================================
+``base``               the protocol, and what the formats share: :class:`IntegrityError`, :func:`crc32`
+``file``               one file: torch's zip archive sealed with an integrity trailer, a consolidated save or
+                       plain ``torch.save`` (:class:`FileReader` reads it)
+``file_trailer``       the trailer written with the file (:class:`SealingStream`) and read back
+``file_reads``         checked reads of parts of a file, straight into place
+``file_verification``  a file checked against its trailer, whole (:func:`verify_file`)
+``directory``          a sharded directory: ``torch.distributed.checkpoint``'s, sealed with a manifest of every file
+                       (:class:`DirectoryWriter` writes it, :class:`DirectoryReader` reads it)
+``dcp_files``          DCP's files, written straight from tensor memory and read into place, through a place
+``dcp_entries``        the manifest's record of each entry of DCP's files, and its checked reads
+``dcp_saved``          entries of DCP's files read without DCP's planning: tensors by name, a rank's own shards
+``dcp_plans``          DCP's save plans, agreed in the saver's own rounds and kept between saves
+``consolidation``      a sharded directory read as one file's state, in bounded memory
+``torch_zip``          ``torch.save``'s archive, written record by record
+``trust``              what a checkpoint's pickles may build unless its user vouches for it
+=====================  =======================================================================================
 
-:func:`format_for` picks the reader of a checkpoint by what is stored under its name; nothing outside this package
-asks which format it holds.
+:func:`format_for` picks the reader of a checkpoint by what is stored under its name; outside this package, only
+the mapping of objects to entries (:mod:`ignite_zero.loading.entries`) asks which format it holds.
 """
 
 from __future__ import annotations
@@ -21,17 +28,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ignite_zero.storage.formats.base import Filled, IntegrityError, Reader, Verification, entries_of
+from ignite_zero.storage.formats.base import IntegrityError, Reader, Verification
 from ignite_zero.storage.formats.directory import DirectoryReader
 from ignite_zero.storage.formats.file import FileReader
 from ignite_zero.storage.places import Place, split
 
 __all__ = [
-    "Filled",
     "IntegrityError",
     "Reader",
     "Verification",
-    "entries_of",
     "format_for",
     "is_candidate",
     "reader_for",

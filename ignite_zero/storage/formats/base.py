@@ -20,13 +20,11 @@ from ignite_zero.storage.places import Place
 __all__ = [
     "ExportedTensor",
     "CLOSED_EARLY",
-    "Filled",
     "IntegrityError",
     "Reader",
     "UnsafeCheckpointError",
     "Verification",
     "crc32",
-    "entries_of",
     "human_size",
     "listed_leaves",
     "listed_object",
@@ -53,10 +51,8 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """zlib's CRC-32 of ``data``, continuing from ``value`` (the CRC-32 of what came before): the very same values.
 
-    zlib-ng's SIMD CRC-32 rather than the standard library's: 9-33 GB/s against 2-7 GB/s for zlib over 600 MB, and
-    59 against 3 GB/s over 256 KiB in cache (2-core CI machine). At zlib's speed, checksumming each rank's 300 MB
-    took 0.05-0.2 s per save (FSDP2, 0.6 GB, 2 ranks), most of the 0.08 s a sharded save took beyond ``dcp.save``'s
-    0.28 s. ISA-L (``isal``) is as fast within a save; zlib-ng also builds from source wherever a C compiler does.
+    zlib-ng's SIMD CRC-32 rather than the standard library's: several times faster, which keeps checksumming a
+    small part of a save; zlib-ng also builds from source wherever a C compiler does.
     Like zlib, it releases the GIL for buffers over 5 KiB (DCP writes from threads) and takes buffers over 4 GiB.
     """
     return zlib_ng.crc32(data, value)
@@ -64,20 +60,6 @@ def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
 
 #: Why a read of a deferred tensor fails after its checkpoint was closed.
 CLOSED_EARLY = "was closed before this rank read all it loads from it"
-
-
-@dataclass(frozen=True)
-class Filled:
-    """An object's template of its own shards, filled from a sharded checkpoint: loaded with ``load_sharded``.
-
-    Attributes:
-        state: the template.
-        read: what is still to read into it, when it is the object's own state: read when the object is restored,
-            once every rank has checked its entries.
-    """
-
-    state: Any
-    read: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -120,8 +102,8 @@ class Reader(ABC):
     Attributes:
         path: where the checkpoint lies, as users name it: a path, or a URL.
         trusted: whether its user vouches for it, so that it may run code when read (``--trust``): what
-            :meth:`listing` and :meth:`tensors` read is unpickled as ``weights_only=False`` would; :meth:`entries`
-            and :meth:`load` take their ``weights_only`` too. False by default (see
+            :meth:`listing` and :meth:`tensors` read is unpickled as ``weights_only=False`` would; :meth:`load` takes
+            its ``weights_only`` too. False by default (see
             :mod:`~ignite_zero.storage.formats.trust`).
     """
 
@@ -165,23 +147,9 @@ class Reader(ABC):
         """When the checkpoint was completed, in seconds since the epoch."""
 
     @abstractmethod
-    def entries(self, objects: Mapping, weights_only: bool, into_objects: bool = False) -> Any:
-        """The entry of every object of ``objects`` (nested as ``objects``): what this rank loads. Nothing of the
-        objects changes here: tensors read when an object is restored are deferred
-        (:mod:`ignite_zero.loading.deferred`), or
-        given in :class:`Filled` with what is still to read.
-
-        Args:
-            objects: the objects to load, adapted.
-            weights_only: as for ``torch.load``.
-            into_objects: read what the objects' own tensors can take straight into them as they are restored (a
-                collective load, where a corrupt block then leaves them partly restored); else what is not deferred
-                is read now, into new tensors.
-        """
-
-    @abstractmethod
     def load(self, weights_only: bool, progress: Callable[[int, int], None] | None = None) -> Any:
-        """Everything the checkpoint holds, as one file of it would (what ``ignite-zero consolidate`` writes).
+        """Everything the checkpoint holds, as one file of it would (what ``ignite-zero consolidate`` writes), but
+        with a sharded checkpoint's dict keys as it stores them (:mod:`ignite_zero.loading.whole` restores them).
 
         Args:
             weights_only: as for ``torch.load``.
@@ -204,7 +172,7 @@ class Reader(ABC):
         """
 
     def close(self) -> None:
-        """End the reads of deferred tensors that :meth:`entries` gave (:mod:`ignite_zero.loading.deferred`)."""
+        """End the reads of deferred tensors that this reader gave (:mod:`ignite_zero.loading.deferred`)."""
         return None
 
     def __enter__(self) -> Reader:
@@ -262,19 +230,3 @@ def listed_object(name: str, type_name: str | None, entries: list[dict[str, Any]
     tensors = [entry for entry in entries if entry["kind"] == "tensor"]
     nbytes = sum(entry["bytes"] for entry in tensors)
     return {"name": name, "type": type_name, "tensors": len(tensors), "bytes": nbytes, "entries": entries}
-
-
-def entries_of(objects: Mapping, loaded: Any) -> dict[str, Any]:
-    """The entry of ``loaded`` for each object of ``objects``, as ignite pairs them: with a single object, a
-    checkpoint without its key is that object's state itself."""
-    if len(objects) == 1:
-        key = next(iter(objects))
-        if not isinstance(loaded, Mapping) or key not in loaded:  # a single-object save holds its state itself
-            return {key: loaded}
-    missing = [key for key in objects if key not in loaded]
-    if missing:
-        raise ValueError(  # ignite's words first (x: `to_load`, y: the checkpoint): code that matches them works
-            f"Key '{missing[0]}' from x is not found in y: the checkpoint has no entry for {missing} (it holds "
-            f"{sorted(loaded)}); load only the objects it holds, or pass the right file."
-        )
-    return {key: loaded[key] for key in objects}

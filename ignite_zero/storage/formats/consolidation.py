@@ -1,7 +1,7 @@
 """A sharded checkpoint directory read as the state of one checkpoint file, in bounded memory: what
 ``ignite-zero consolidate`` writes.
 
-:func:`streamed_state` returns the state that :meth:`DirectoryReader.load
+:func:`unread_state` returns the state that :meth:`DirectoryReader.load
 <ignite_zero.storage.formats.directory.DirectoryReader.load>` returns, with every tensor allocated but not read
 (memory the kernel has not handed out yet, so not resident), and :class:`StreamedTensors`, the source of their
 bytes for :func:`~ignite_zero.storage.formats.torch_zip.write_archive`. Asked for a slice of a tensor's memory, in
@@ -29,42 +29,40 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ignite_zero.adapters.zero import as_saved_optimizer_state
-from ignite_zero.storage.formats.dcp_files import ChunkReading, EntryRecord, SavedTensors
-from ignite_zero.storage.formats.directory import (
-    entry_records,
-    load,
-    name_of,
-    nest,
-    read_manifest,
-    read_metadata,
-    template,
-    verify,
-)
+from ignite_zero.storage.formats.dcp_entries import EntryRecord
+from ignite_zero.storage.formats.dcp_saved import ChunkReading, SavedTensors
+from ignite_zero.storage.formats.directory import load, name_of, nest, read_metadata, template
 from ignite_zero.storage.formats.torch_zip import tensor_bytes
 from ignite_zero.storage.places import Place
 
-__all__ = ["WINDOW_BYTES", "StreamedTensors", "streamed_state"]
+__all__ = ["WINDOW_BYTES", "StreamedTensors", "unread_state"]
 
 #: The rows of a tensor read at a time, at most (a row larger than this is read alone).
 WINDOW_BYTES = 64 << 20
 
 
-def streamed_state(
-    place: Place, progress: Callable[[int, int], None] | None = None, trusted: bool = False
+def unread_state(
+    place: Place,
+    records: dict[str, list[EntryRecord]] | None,
+    progress: Callable[[int, int], None] | None = None,
+    trusted: bool = False,
 ) -> tuple[dict[str, Any], StreamedTensors]:
-    """The state of the checkpoint directory at ``place`` as one file holds it, its tensors unread, and the source
-    of their bytes; ``trusted``: its pickles unpickled whatever they hold (see
+    """The state of the checkpoint directory at ``place`` as one file holds it (but with dict keys as the directory
+    stores them, as :meth:`~ignite_zero.storage.formats.directory.DirectoryReader.load` gives them), its tensors
+    unread, and the source of their bytes; ``trusted``: its pickles unpickled whatever they hold (see
     :mod:`~ignite_zero.storage.formats.trust`).
+
+    Args:
+        place: the checkpoint directory.
+        records: its entries' records, from the manifest (:func:`~.directory.entry_records`); ``None`` where it has
+            none, for a directory verified whole beforehand.
+        progress: called with the bytes read so far and the total, after each window.
+        trusted: unpickle whatever its pickles hold.
 
     Raises:
         UnsafeCheckpointError: a pickle of it holds anything but data, unless ``trusted``.
-        IntegrityError: the directory has no manifest that records its entries and does not verify, or its
-            ``.metadata`` is corrupt.
+        IntegrityError: its ``.metadata`` is corrupt.
     """
-    records = entry_records(read_manifest(place))
-    if records is None:
-        verify(place)
     metadata = read_metadata(place, records, trusted)
     values = template(metadata, lambda path: isinstance(_storage(metadata, path), BytesStorageMetadata))
     load(values, place, records, trusted)  # the small values, read and checked now
@@ -74,8 +72,7 @@ def streamed_state(
         if isinstance(storage, TensorStorageMetadata)
     }
     flat = {name: tensors[name] if name in tensors else values[name] for name in metadata.state_dict_metadata}
-    state = {key: as_saved_optimizer_state(value) for key, value in nest(metadata, flat).items()}
-    return state, StreamedTensors(place, metadata, records, tensors, progress, trusted)
+    return nest(metadata, flat), StreamedTensors(place, metadata, records, tensors, progress, trusted)
 
 
 def _storage(metadata: Metadata, path: tuple[Any, ...]) -> Any:

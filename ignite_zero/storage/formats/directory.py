@@ -23,7 +23,7 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -37,13 +37,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from ignite_zero import _compat, tree
-from ignite_zero.adapters import ShardedState
-from ignite_zero.adapters.zero import as_saved_optimizer_state
-from ignite_zero.loading import deferred
+from ignite_zero import _compat
 from ignite_zero.storage.formats.base import (
     ExportedTensor,
-    Filled,
     IntegrityError,
     Reader,
     Verification,
@@ -52,16 +48,9 @@ from ignite_zero.storage.formats.base import (
     tensor_entry,
     written_by,
 )
-from ignite_zero.storage.formats.dcp_files import (
-    METADATA,
-    EntryRecord,
-    Fill,
-    PlaceStorageReader,
-    PlaceStorageWriter,
-    SavedTensor,
-    SavedTensors,
-    metadata_of,
-)
+from ignite_zero.storage.formats.dcp_entries import METADATA, EntryRecord, metadata_of
+from ignite_zero.storage.formats.dcp_files import PlaceStorageReader, PlaceStorageWriter
+from ignite_zero.storage.formats.dcp_saved import SavedTensors
 from ignite_zero.storage.formats.trust import load_value
 from ignite_zero.storage.places import Place, place_of
 
@@ -378,21 +367,17 @@ def name_of(path: tuple[Any, ...]) -> str:
     return ".".join(map(str, path))
 
 
-def template(
-    metadata: Metadata, keep: Callable[[tuple[Any, ...]], bool], saved: SavedTensors | None = None
-) -> dict[str, Any]:
+def template(metadata: Metadata, keep: Callable[[tuple[Any, ...]], bool], unread: bool = False) -> dict[str, Any]:
     """A flat template to read the entries whose path ``keep`` accepts: tensors allocated from the metadata (read
-    whole, whatever the sharding they were saved with), ``None`` for other values. With ``saved``, the tensors are
-    deferred instead (:mod:`ignite_zero.loading.deferred`), each read from ``saved`` when its object takes it."""
+    whole, whatever the sharding they were saved with), ``None`` for other values. ``unread``: the tensors on the meta
+    device instead, for a reader to read when they are taken (:class:`~.dcp_saved.SavedTensor`)."""
     flat: dict[str, Any] = {}
+    device = "meta" if unread else "cpu"
     for name, storage in metadata.state_dict_metadata.items():
         if not keep(path_of(metadata, name)):
             continue
         if isinstance(storage, TensorStorageMetadata):
-            device = "cpu" if saved is None else "meta"
             flat[name] = torch.empty(storage.size, dtype=storage.properties.dtype, device=device)
-            if saved is not None:
-                deferred.defer(flat[name], SavedTensor(saved, name, storage.size))
         elif isinstance(storage, BytesStorageMetadata):
             flat[name] = None
     return flat
@@ -517,9 +502,10 @@ class DirectoryReader(Reader):
         return Verification(True, "manifest", summary, manifest)
 
     def load(self, weights_only: bool, progress: Callable[[int, int], None] | None = None) -> Any:
-        """Every entry of the directory, read whole, as one file of it holds them (optimizer state keyed by index
-        again). DCP reads the values that are no tensors as it saved them, ``weights_only`` or not."""
-        records = self._records()
+        """Every entry of the directory, read whole, nested as saved, with dict keys as DCP saves them: strings
+        (:mod:`ignite_zero.loading.whole` keys optimizer state by index again). DCP reads the values that are no
+        tensors as it saved them, ``weights_only`` or not."""
+        records = self.records()
         if records is None:
             verify(self.place)
         trusted = self.trusted or not weights_only
@@ -540,9 +526,16 @@ class DirectoryReader(Reader):
             done += sum(sizes[name] for name in batch)
             if progress is not None:
                 progress(done, total)
-        return {key: as_saved_optimizer_state(value) for key, value in nest(metadata, flat).items()}
+        return nest(metadata, flat)
 
-    def _records(self) -> dict[str, list[EntryRecord]] | None:
+    def saved_tensors(self, records: Mapping[str, Sequence[EntryRecord]], metadata: Metadata) -> SavedTensors:
+        """The directory's entries, read without DCP's planning, with the manifest's ``records``: open until
+        :meth:`close`."""
+        if self._saved is None:
+            self._saved = SavedTensors(self.place, records, metadata)
+        return self._saved
+
+    def records(self) -> dict[str, list[EntryRecord]] | None:
         """Where every entry lies and its CRC-32, from the manifest, for reads checked as they arrive; ``None`` where
         the manifest does not say (an earlier release's, or none): such a directory is verified whole before a
         read."""
@@ -573,7 +566,7 @@ class DirectoryReader(Reader):
         }
 
     def tensors(self, only: str) -> tuple[list[ExportedTensor], dict[str, str]]:
-        records = self._records()
+        records = self.records()
         metadata = read_metadata(self.place, records, self.trusted)
         found = []
         for flat_name, storage in metadata.state_dict_metadata.items():
@@ -591,65 +584,6 @@ class DirectoryReader(Reader):
         if not found:
             raise KeyError(f"The checkpoint {self.path} has no tensors under {only!r}; pass --only with another entry")
         return found, {}
-
-    def entries(self, objects: Mapping, weights_only: bool, into_objects: bool = False) -> Any:
-        """What each object needs: its own shards where it gives a template, else the saved entries it wants, whole
-        (optimizer state keyed by index again), their tensors deferred, each read when its object takes it, straight
-        into the object's tensor where it fits.
-
-        Shards are read now into new tensors, or, ``into_objects``, into the object's own when it is restored, where
-        they are exactly as saved (else, to reshard, now into new ones). An earlier release's directory (no records
-        of entries) is read whole now, into new tensors.
-        """
-        records = self._records()
-        trusted = self.trusted or not weights_only
-        metadata = read_metadata(self.place, records, trusted)
-        if records is not None and self._saved is None:
-            self._saved = SavedTensors(self.place, records, metadata)
-        saved = {path_of(metadata, name) for name in metadata.state_dict_metadata}
-        templates: dict[tuple[Any, ...], Any] = {}
-        later: dict[tuple[Any, ...], Fill] = {}  # shards read into the objects' own tensors as they are restored
-        flat: dict[str, Any] = {}
-        for path, obj in tree.leaves(objects):
-            relative = {p[len(path) :] for p in saved if p[: len(path)] == path}
-            if not relative:
-                raise ValueError(  # ignite's words first, as for a file
-                    f"Key '{'.'.join(map(str, path))}' from x is not found in y: the checkpoint has no such entry (it "
-                    f"holds {sorted({str(p[0]) for p in saved})}); load only the objects it holds, or pass the right "
-                    "directory."
-                )
-            own = obj.sharded_template(relative, into_objects) if isinstance(obj, ShardedState) else None
-            if own is not None:
-                fill = None if self._saved is None or not into_objects else self._saved.plan({name_of(path): own})
-                if fill is not None:
-                    fill.read_values(not trusted)  # into the template's own structures: nothing of the object changes
-                    later[path] = fill
-                elif into_objects:  # to reshard: read now, into new tensors, before every rank's checks
-                    own = cast(ShardedState, obj).sharded_template(relative, False)
-                templates[path] = own
-                continue
-            wants: Callable[[tree.Path], bool] = obj.wants if isinstance(obj, ShardedState) else (lambda _: True)
-
-            def keep(p: tree.Path, path: tree.Path = path, wants: Callable[[tree.Path], bool] = wants) -> bool:
-                return p[: len(path)] == path and wants(p[len(path) :])
-
-            flat.update(template(metadata, keep, self._saved))
-        now: dict[str, Any] = {name: value for name, value in flat.items() if not deferred.is_deferred(value)}
-        now.update({name_of(path): own for path, own in templates.items() if path not in later})
-        fill = None if self._saved is None else self._saved.plan(now)
-        if fill is None:  # DCP plans what needs resharding
-            load(now, self.place, records, trusted)
-        else:
-            fill.read_values(not trusted)
-            fill.read_tensors()
-        nested = nest(metadata, {name: now.get(name, value) for name, value in flat.items()})
-
-        def entry(path: tuple[Any, ...], _: Any) -> Any:
-            if path in templates:
-                return Filled(templates[path], later[path].read_tensors if path in later else None)
-            return as_saved_optimizer_state(tree.get(nested, path))
-
-        return tree.map_tree(entry, objects)
 
 
 # What a consolidation reads at a time: the whole state is held at the end, but progress shows batch by batch.

@@ -15,6 +15,7 @@ import torch
 from ignite_zero import _compat
 from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.formats import file as integrity
+from ignite_zero.storage.formats import file_reads, file_trailer
 from ignite_zero.storage.formats.torch_zip import write_archive
 from ignite_zero.storage.places import LocalPlace
 
@@ -95,8 +96,8 @@ def test_sealed_files_record_the_crc32_of_every_block_of_their_records():
 
 
 def test_blocks_double_in_size_to_fit_the_zip_comment(monkeypatch):
-    monkeypatch.setattr(integrity, "_FIRST_BLOCK", 1024)
-    monkeypatch.setattr(integrity, "_MAX_BLOCKS", 16)
+    monkeypatch.setattr(file_trailer, "_FIRST_BLOCK", 1024)
+    monkeypatch.setattr(file_trailer, "_MAX_BLOCKS", 16)
     data = _sealed({"weight": torch.randn(50_000, generator=torch.Generator().manual_seed(1))})  # 200 KB: 196 KiB
     blocks = _blocks_of(data)
     assert blocks.size == 16 << 10 and len(blocks.crc32) <= 16  # 1, 2, 4, 8 then 16 KiB: combined, never re-read
@@ -162,20 +163,20 @@ def test_parts_of_a_record_are_read_whole_and_checked_through_short_reads():
     for first, last in ((0, size), (4, 300_004), (65_536 * 3, 65_536 * 5), (size - 12, size)):
         out = bytearray(last - first)
         f = _ShortReads(data)
-        integrity._read_into(
+        file_reads.read_into(
             f, integrity.ReadChecks("file", f), record, size, record + first, record + last, memoryview(out)
         )
         assert out == expected[first:last]
     truncated = _ShortReads(data[: record + 200_000])  # the file ends inside the fourth block of the record
     checks = integrity.ReadChecks("file", _ShortReads(data))
     with pytest.raises(integrity.IntegrityError, match=r"ends inside the block \[\d+, \d+\) of record '.*data/0'"):
-        integrity._read_into(
+        file_reads.read_into(
             truncated, checks, record, size, record + 100_000, record + 300_000, memoryview(bytearray(200_000))
         )
     corrupt = bytearray(data)
     corrupt[record + 250_000] ^= 0x01
     with pytest.raises(integrity.IntegrityError, match=r"the block \[\d+, \d+\) of record '.*data/0' is corrupt"):
         f = _ShortReads(bytes(corrupt))
-        integrity._read_into(
+        file_reads.read_into(
             f, checks, record, size, record + 100_000, record + 300_000, memoryview(bytearray(200_000))
         )

@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from ignite_zero import IntegrityError
 from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.formats import torch_zip
-from ignite_zero.storage.formats.dcp_files import PlaceStorageReader, PlaceStorageWriter, SavedTensors
+from ignite_zero.storage.formats.dcp_files import PlaceStorageReader, PlaceStorageWriter
+from ignite_zero.storage.formats.dcp_saved import SavedTensors
 from ignite_zero.storage.formats.torch_zip import write_archive
 from ignite_zero.storage.places import LocalPlace
 
@@ -255,17 +256,17 @@ def test_a_plan_reads_nothing_and_fills_what_lies_in_one_saved_chunk(tmp_path):
     place = LocalPlace(tmp_path / "ours")
     saved = SavedTensors(place, writer.records, PlaceStorageReader(place, writer.records).read_metadata())
     blank = _blank(state)
-    fill = saved.plan(blank)
-    assert fill is not None
+    reads = saved.in_place_reads(blank)
+    assert reads is not None
     _assert_equal(blank, _blank(state))  # nothing read yet
-    fill.read_values()
+    reads.read_values()
     assert blank["trainer"] == state["trainer"] and torch.equal(blank["model"]["weight"], torch.zeros(40, 30))
-    fill.read_tensors()
+    reads.read_tensors()
     _assert_equal(blank, state)
     # a part of a saved tensor (to reshard), a tensor not saved, another dtype: no plan, and nothing read
     for other in (torch.zeros(20, 30), torch.zeros(1), torch.zeros(40, 30, dtype=torch.float64)):
         wanted = {"model": {"weight": other}, "trainer": {"epoch": None}}
-        assert saved.plan(wanted) is None and wanted["trainer"]["epoch"] is None and not other.any()
+        assert saved.in_place_reads(wanted) is None and wanted["trainer"]["epoch"] is None and not other.any()
     saved.close()
 
 

@@ -1,0 +1,166 @@
+"""The entries of DCP's files as the manifest records them (:class:`EntryRecord`), and their checked reads: each
+entry's bytes read straight into place, their CRC-32 computed as they arrive and compared with the record's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from zlib_ng import zlib_ng
+
+from ignite_zero.storage.formats import torch_zip
+from ignite_zero.storage.formats.base import IntegrityError
+from ignite_zero.storage.formats.trust import load_metadata
+from ignite_zero.storage.places import Place
+
+__all__ = [
+    "METADATA",
+    "EntryRecord",
+    "RecordedEntries",
+    "check_crc",
+    "laid_out",
+    "metadata_of",
+    "read_checked",
+    "read_entry",
+    "read_saved",
+    "read_saved_into",
+    "read_whole",
+]
+
+#: The file DCP's metadata is written to, last: a directory without it is incomplete.
+METADATA = ".metadata"
+# Reads, like writes, go in slices checksummed while still in the CPU's cache.
+_SLICE = 256 << 10
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryRecord:
+    """Where one entry of a ``.distcp`` file lies, and its checksums.
+
+    Attributes:
+        offset: where the entry starts in the file.
+        length: its size in bytes.
+        crc: the CRC-32 of the whole entry.
+        data_offset: where the bytes of its tensor start in the file (the entry's own offset for a value's bytes);
+            ``-1`` for an archive that earlier releases had ``torch.save`` write (4 GiB or more), read whole.
+        data_crc: the CRC-32 of those bytes.
+    """
+
+    offset: int
+    length: int
+    crc: int
+    data_offset: int
+    data_crc: int
+
+    def to_json(self) -> list[int]:
+        return list(dataclasses.astuple(self))
+
+    @classmethod
+    def from_json(cls, value: Sequence[int]) -> EntryRecord:
+        return cls(*map(int, value))
+
+
+def metadata_of(content: bytes, where: str, trusted: bool, load_id: str | None = None) -> Metadata:
+    """DCP's metadata from the bytes of ``.metadata``, read as :func:`~.trust.load_metadata` reads them, with the
+    storage facts DCP's readers add (``load_id``: the reader's, where it has one)."""
+    metadata = load_metadata(content, where, trusted)
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    if load_id is not None:
+        metadata.storage_meta.load_id = load_id
+    return metadata
+
+
+class RecordedEntries:
+    """The manifest's records of a directory's entries, found by where DCP's metadata says each lies."""
+
+    def __init__(self, place: Place, records: Mapping[str, Sequence[EntryRecord]]) -> None:
+        self.place = place
+        self._records = {(name, record.offset): record for name, part in records.items() for record in part}
+        # where each file lies, for messages: spelled out once, not for each entry of a load
+        self._locations = {name: str(place.location(name)) for name in records}
+
+    def recorded(self, name: str, offset: int, length: int | None = None) -> EntryRecord | None:
+        """The record of the entry at ``offset`` of the file ``name`` (of ``length`` bytes), if the manifest has it."""
+        record = self._records.get((name, offset))
+        return record if record is not None and length in (None, record.length) else None
+
+    def of(self, info: Any, fqn: str) -> tuple[EntryRecord, str]:
+        """The record of the entry that DCP's storage information ``info`` locates, and where it lies, for messages.
+
+        Raises:
+            IntegrityError: the manifest has no such record.
+        """
+        location = self._locations.get(info.relative_path) or self.place.location(info.relative_path)
+        where = f"{location}, entry {fqn} at {info.offset}"
+        record = self.recorded(info.relative_path, info.offset, info.length)
+        if record is None:
+            raise IntegrityError(f"{where}: the manifest has no record of it (corrupt manifest or .metadata?)")
+        return record, where
+
+
+def laid_out(target: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the bytes of a saved tensor of ``dtype`` can be read straight into ``target``: one run of CPU memory."""
+    return target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
+
+
+def read_saved_into(f: IO[bytes], record: EntryRecord, target: torch.Tensor, dtype: torch.dtype, where: str) -> bool:
+    """Read a saved tensor straight into ``target`` if it is laid out alike in CPU memory; else read nothing and
+    return ``False``."""
+    if record.data_offset < 0 or not laid_out(target, dtype):
+        return False
+    read_entry(f, record, torch_zip.tensor_bytes(target), where)
+    return True
+
+
+def read_saved(f: IO[bytes], record: EntryRecord, sizes: Sequence[int], dtype: torch.dtype, where: str) -> torch.Tensor:
+    """A saved tensor, read into a new one."""
+    if record.data_offset < 0:  # written by torch.save (4 GiB or more): its archive, read whole
+        return torch.load(io.BytesIO(read_whole(f, record, where)), map_location="cpu", weights_only=True)
+    saved = torch.empty(tuple(sizes), dtype=dtype)
+    read_entry(f, record, torch_zip.tensor_bytes(saved), where)
+    return saved
+
+
+def read_checked(f: IO[bytes], view: memoryview, where: str, crc: int = 0) -> int:
+    """Fill ``view`` from the file's position on, computing the CRC-32 of what arrives (continuing ``crc``)."""
+    for begin in range(0, view.nbytes, _SLICE):
+        piece = view[begin : begin + _SLICE]
+        got = 0
+        while got < piece.nbytes:  # a short read: more follows, or the file ends early
+            more = f.readinto(piece[got:])  # type: ignore[attr-defined]
+            if not more:
+                raise IntegrityError(f"{where}: the file ends early (truncated?)")
+            got += more
+        crc = zlib_ng.crc32(piece, crc)
+    return crc
+
+
+def read_entry(f: IO[bytes], record: EntryRecord, data: memoryview, where: str) -> None:
+    """Read an archive's entry: its tensor's bytes into ``data``, the rest (headers, pickle, directory) around it
+    into a small buffer, each byte checked by the CRC-32 of the tensor's bytes and of the whole entry."""
+    f.seek(record.offset)
+    head = bytearray(record.data_offset - record.offset)
+    tail = bytearray(record.offset + record.length - record.data_offset - data.nbytes)
+    crc = read_checked(f, memoryview(head), where)
+    data_crc = read_checked(f, data, where)
+    crc = read_checked(f, memoryview(tail), where, zlib_ng.crc32_combine(crc, data_crc, data.nbytes))
+    check_crc(data_crc, record.data_crc, where)
+    check_crc(crc, record.crc, where)
+
+
+def read_whole(f: IO[bytes], record: EntryRecord, where: str) -> bytearray:
+    f.seek(record.offset)
+    data = bytearray(record.length)
+    check_crc(read_checked(f, memoryview(data), where), record.crc, where)
+    return data
+
+
+def check_crc(crc: int, expected: int, where: str) -> None:
+    if crc != expected:
+        raise IntegrityError(f"{where} is corrupt (CRC-32 {crc:#010x}, {expected:#010x} expected)")
