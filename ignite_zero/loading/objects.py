@@ -6,10 +6,11 @@ of loading: who reads, who verifies, who is sent what, and that every object is 
 corrupt block found while reading into place, below).
 
 When ``to_load`` holds sharded objects and several ranks run, loading is a collective in three rounds of
-agreement (:func:`ignite_zero.agreement.settle`):
+agreement (:func:`ignite_zero.agreement.together`):
 
 1. Every rank says whether it sees the file (and which: size and integrity trailer), and what part of each
-   sharded entry it needs (:meth:`ShardedState.part_needed`).
+   sharded entry it needs (:meth:`ShardedState.part_needed`); the ranks' hosts are known after it
+   (:func:`ignite_zero.agreement.hosts_of_ranks`).
 2. Ranks that see the file read its structure, checked: the entries, their tensors still to be read
    (:mod:`ignite_zero.loading.deferred`). The first rank that sees it, where some rank does not (a private or node-local
    directory), verifies it whole, maps it with ``mmap`` and sends every rank that does not see it only the part it
@@ -28,7 +29,6 @@ new memory, checked, before anything is loaded: a corrupt record changes nothing
 from __future__ import annotations
 
 import functools
-import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from torch import nn
 
 from ignite_zero import transport, tree
 from ignite_zero.adapters import ShardedState, adapt, in_loadable_form
-from ignite_zero.agreement import rank_and_world, settle
+from ignite_zero.agreement import Hosts, hosts_of_ranks, rank_and_world, settle, together
 from ignite_zero.loading import deferred
 from ignite_zero.loading.entries import ShardedEntry, entries_for, entries_of
 from ignite_zero.loading.whole import as_one_file
@@ -49,9 +49,9 @@ from ignite_zero.transport.groups import cpu_group
 __all__ = ["restore"]
 
 
-# What each rank tells the others in the first round of a load: its host, what it sees of the checkpoint (``None``:
-# nothing), the part of each sharded entry it needs, and whether what it sees is a sharded checkpoint.
-_Report = tuple[str, Any, Any, bool]
+# What each rank tells the others in the first round of a load: what it sees of the checkpoint (``None``: nothing),
+# the part of each sharded entry it needs, and whether what it sees is a sharded checkpoint.
+_Report = tuple[Any, Any, bool]
 
 
 def restore(
@@ -89,7 +89,6 @@ def _restore(
     sync_timeout: float,
     kwargs: Mapping,
 ) -> None:
-    rank, world_size = rank_and_world()
     if not _collective(objects):
         if reader is None:
             local = entries_of(objects, checkpoint)
@@ -101,44 +100,49 @@ def _restore(
         return
 
     parts = tree.map_tree(lambda _, obj: obj.part_needed() if isinstance(obj, ShardedState) else None, objects)
-    identity, failure = None, None
-    try:
+    identity = None
+    with together("checkpoint load", timeout=sync_timeout) as seen:
+        sharded = reader is not None and reader.sharded  # what a rank that sees the checkpoint tells the others
         identity = "in memory" if reader is None else reader.identity()
-    except Exception as error:
-        failure = error
-    sharded = reader is not None and reader.sharded  # what a rank that sees the checkpoint tells the others
-    reports = settle(
-        failure, what="checkpoint load", timeout=sync_timeout, payload=(socket.gethostname(), identity, parts, sharded)
-    )
-    seers = [r for r, (_, seen, _, _) in enumerate(reports) if seen is not None]
+        seen.payload = (identity, parts, sharded)
+    reports: list[_Report] = seen.payloads
+    seers = [r for r, (found, _, _) in enumerate(reports) if found is not None]
     _check_seers(checkpoint, reader, reports, seers)
 
-    entries: Any = None
     loads: list[Callable[[], None]] = []
-    failure = None
-    try:
-        if reader is None:
-            entries = entries_of(objects, checkpoint)
-        elif identity is not None and _serves(rank, seers, world_size):  # reads for others: all of it, mapped
-            reader.verify(whole=True)
-            entries = entries_of(objects, as_one_file(reader, reader.load(weights_only)))
-        elif identity is not None:
-            if _verifies(rank, reports, seers):
-                reader.verify(whole=False)
-            entries = entries_for(reader, objects, weights_only, into_objects=True)
-        entries = _for_plain_optimizers(objects, _distribute(entries, [need for _, _, need, _ in reports], seers))
-        loads = _prepare(objects, entries, kwargs)
-    except Exception as error:
-        failure = error
-    settle(failure, what="checkpoint load (reading and checking)", timeout=sync_timeout)
+    with together("checkpoint load (reading and checking)", timeout=sync_timeout):
+        hosts = hosts_of_ranks(sync_timeout)
+        found = _read(objects, checkpoint, reader, identity, weights_only, hosts, seers)
+        found = _for_plain_optimizers(objects, _distribute(found, [need for _, need, _ in reports], seers))
+        loads = _prepare(objects, found, kwargs)
 
-    failure = None
-    try:
+    with together("checkpoint load (restoring objects)", timeout=sync_timeout):
         for load in loads:
             load()
-    except Exception as error:
-        failure = error
-    settle(failure, what="checkpoint load (restoring objects)", timeout=sync_timeout)
+
+
+def _read(
+    objects: Any,
+    checkpoint: str | Path | Mapping,
+    reader: Reader | None,
+    identity: Any,
+    weights_only: bool,
+    hosts: Hosts,
+    seers: list[int],
+) -> Any:
+    """This rank's entries of a collective load: what it reads, checked (nothing where it cannot see the
+    checkpoint: :func:`_distribute` sends it its part)."""
+    rank, world_size = rank_and_world()
+    if reader is None:
+        return entries_of(objects, checkpoint)
+    if identity is None:
+        return None
+    if _serves(rank, seers, world_size):  # reads for others: all of it, mapped
+        reader.verify(whole=True)
+        return entries_of(objects, as_one_file(reader, reader.load(weights_only)))
+    if _verifies(rank, hosts, seers):
+        reader.verify(whole=False)
+    return entries_for(reader, objects, weights_only, into_objects=True)
 
 
 def _collective(objects: Any) -> bool:
@@ -154,25 +158,24 @@ def _verified(reader: Reader) -> Reader:
 def _check_seers(checkpoint: Any, reader: Reader | None, reports: list[_Report], seers: list[int]) -> None:
     if not seers:
         raise FileNotFoundError(f"Checkpoint file {checkpoint} exists on no rank; pass the path of an existing file")
-    if len(seers) < len(reports) and reports[seers[0]][3]:
+    if len(seers) < len(reports) and reports[seers[0]][2]:
         blind = [r for r in range(len(reports)) if r not in seers]
         raise FileNotFoundError(
             f"Ranks {blind} cannot see the sharded checkpoint {checkpoint}: a sharded checkpoint is read by every "
             "rank, from a file system that all of them share."
         )
-    identities = {reports[r][1] for r in seers}
+    identities = {reports[r][0] for r in seers}
     if len(identities) > 1:
-        listing = ", ".join(f"rank {r}: {reports[r][1]}" for r in seers)
+        listing = ", ".join(f"rank {r}: {reports[r][0]}" for r in seers)
         raise ValueError(
             f"Ranks see different files at {checkpoint} (size, checksum: {listing}): a stale copy on some node? "
             "Make every rank see the same file, or only one."
         )
 
 
-def _verifies(rank: int, reports: list[_Report], seers: list[int]) -> bool:
+def _verifies(rank: int, hosts: Hosts, seers: list[int]) -> bool:
     """One rank per host checks the whole file: the others read the same pages."""
-    host = reports[rank][0]
-    return rank == next(r for r in seers if reports[r][0] == host)
+    return rank == next(r for r in seers if hosts.of(r) == hosts.of(rank))
 
 
 def _serves(rank: int, seers: list[int], world_size: int) -> bool:
