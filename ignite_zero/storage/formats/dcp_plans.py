@@ -17,7 +17,7 @@ ranks) are found out, and plan afresh.
 What it costs at scale: the write results go to the coordinator alone (a round ``to`` one rank, see
 :func:`ignite_zero.agreement.settle`), as DCP gathers them; but every rank reads every rank's plan, at the first save
 and where plans change, to make the global plans itself: O(ranks x entries) a rank then, where DCP's coordinator
-alone reads them and scatters each rank its own. Measured on 2 ranks only.
+alone reads them and scatters each rank its own.
 """
 
 from __future__ import annotations

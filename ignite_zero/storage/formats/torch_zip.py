@@ -57,8 +57,7 @@ _COUNT_LIMIT = 0xFFFF
 #: The pickle protocol of ``torch.save``, its default.
 PICKLE_PROTOCOL = 2
 # Each slice of a record is checksummed right after it is written, from the CPU's cache, where the write's copy left
-# it. Two processes at once, each writing 302 MB of tensors to tmpfs in 256 KiB slices, took 102-105 ms so, 117 ms
-# checksummed before each write (reading memory twice), 97 ms without checksums (medians of 15 rounds, 2 cores).
+# it: memory is not read a second time for the checksum.
 _SLICE = 256 << 10
 # Records up to this size (the pickle, the small records) are gathered with the headers; larger ones are written
 # straight from their memory.
@@ -113,8 +112,8 @@ def _storage_tensor(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 # The pickle of each layout of a tensor saved alone, as torch pickled it the first time: DCP's files hold one archive
-# per tensor, most of them laid out alike (a model's layers, their moments). Pickled anew, each took 0.1 ms in a save
-# (its Python code out of the CPU's caches after each write of megabytes): 11 ms of an FSDP2 save of 108 tensors.
+# per tensor, most of them laid out alike (a model's layers, their moments), and pickling each anew is slow, its
+# Python code out of the CPU's caches after each write of megabytes.
 _PICKLES: dict[tuple[Any, ...], bytes] = {}
 _PICKLES_KEPT = 1024
 
@@ -186,7 +185,7 @@ class _Writer:
         self.archive = Archive()
         self.alignment = _compat.storage_alignment()
         # headers and small records, written together before the next large record and at the end: one write and
-        # one CRC-32 for the 10 pieces before a tensor's bytes, not 10 (160 us an archive of 1 MB, 60 us less)
+        # one CRC-32 for the pieces before a tensor's bytes, not one each
         self._pending = bytearray()
 
     def _put(self, data: bytes | memoryview) -> None:
