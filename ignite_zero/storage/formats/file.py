@@ -94,7 +94,7 @@ class FileReader(Reader):
 
     def verify(self, whole: bool = True) -> Verification:
         self.check_exists()
-        # A load checks the pickled structure here, and each record as a rank reads it (:meth:`entries`): checking
+        # A load checks the pickled structure here, and each record as a rank reads it (:meth:`parts`): checking
         # them all here would read the whole file once more (on an object store: download it on every host).
         trailer = verify_file(self.stored, records=True if whole else _is_structure)
         if trailer is None:
