@@ -4,6 +4,9 @@ Each adapter's ``state_dict()`` is a collective that returns the full state on t
 elsewhere; its ``load_state_dict()`` restores the object from a full state saved on any world size. They work
 with stock ignite's ``Checkpoint`` and with ``torch.distributed.checkpoint`` too;
 :class:`ignite_zero.Checkpoint` applies them to ``to_save`` by itself.
+
+Tensors of a checkpoint reach ``load_state_dict`` deferred (:mod:`ignite_zero.adapters.deferred`): each adapter
+reads only its parts of them, straight into its own tensors where it can.
 """
 
 from __future__ import annotations

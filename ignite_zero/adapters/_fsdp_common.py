@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ignite_zero.adapters import deferred
 from ignite_zero.adapters.regions import Box, Pieces
-from ignite_zero.loading import deferred
 
 __all__ = [
     "PendingModelLoad",

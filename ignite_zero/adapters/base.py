@@ -40,7 +40,7 @@ class ShardedState(ABC):
     """
 
     #: Whether ``load_state_dict`` takes only its parts of the entry's full tensors, each through
-    #: :func:`ignite_zero.loading.deferred.realize`: a reader that cannot map the file then reads each part as it
+    #: :func:`ignite_zero.adapters.deferred.realize`: a reader that cannot map the file then reads each part as it
     #: is taken.
     loads_deferred = False
 

@@ -355,15 +355,8 @@ class FairscaleFSDPModelState(_FairscaleState):
         return {} if full is None else {key[0]: value for key, value in full.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        """Restore this rank's shards, buffers and extra state from a full model state; local.
-
-        Args:
-            state_dict: the full state; only read.
-            strict: as for ``nn.Module.load_state_dict``: refuse missing and unexpected names.
-
-        Raises:
-            RuntimeError: as ``nn.Module.load_state_dict`` raises, before anything is changed.
-        """
+        """Restore this rank's shards, buffers and extra state from a full model state; local. As
+        :meth:`~ignite_zero.FSDPModelState.load_state_dict`."""
         _Layout(self.module).plan_model_load(type(self.module).__name__, state_dict, strict).run()
 
     def check_entry(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:

@@ -39,11 +39,10 @@ from torch.distributed.fsdp import FlatParameter, FSDPModule, FullyShardedDataPa
 from torch.distributed.tensor import DTensor
 
 from ignite_zero import _compat, tree
-from ignite_zero.adapters import _fsdp1, _fsdp2
+from ignite_zero.adapters import _fsdp1, _fsdp2, deferred
 from ignite_zero.adapters._fsdp_common import ParamLayout, Slot, add_value, clean_name, whole_slot
 from ignite_zero.adapters.base import ShardedState
 from ignite_zero.adapters.regions import Pieces, gather_pieces
-from ignite_zero.loading import deferred
 from ignite_zero.transport import Overlap
 
 __all__ = [

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from ignite_zero import _compat, transport, tree
+from ignite_zero.adapters import deferred
 from ignite_zero.adapters.base import ShardedState, copy_structure, group_ranks
-from ignite_zero.loading import deferred
 from ignite_zero.transport.groups import cpu_group
 
 __all__ = ["OptimizerStatePart", "ZeROState", "consolidate", "recipient_keyword", "as_saved_optimizer_state"]
@@ -280,7 +280,7 @@ class ZeROState(ShardedState):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore this rank's partition from a global optimizer state; tensors of a checkpoint that are still to
-        be read (``ignite_zero.loading.deferred``) are read straight into the optimizer's state tensors where they fit,
+        be read (``ignite_zero.adapters.deferred``) are read straight into the optimizer's state tensors where they fit,
         which the optimizer then keeps, sparing the page faults of new memory."""
         self.check_entry(state_dict)
         part = self.part_needed()

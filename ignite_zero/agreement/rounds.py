@@ -29,21 +29,6 @@ import torch.distributed as dist
 
 from ignite_zero import _compat
 
-__all__ = [
-    "DEFAULT_SYNC_TIMEOUT",
-    "CollectiveTimeoutError",
-    "RankFailureError",
-    "agree",
-    "busy",
-    "peek",
-    "post",
-    "propose",
-    "rank_and_world",
-    "round_members",
-    "settle",
-    "together",
-]
-
 #: Seconds a rank waits for the others to reach the same save or load. Well below the process-group
 #: timeout (30 minutes by default), so that a save called on one rank fails fast and clearly.
 DEFAULT_SYNC_TIMEOUT = 120.0

@@ -12,9 +12,8 @@ from typing import Any, cast
 import torch
 
 from ignite_zero import tree
-from ignite_zero.adapters import ShardedState
+from ignite_zero.adapters import ShardedState, deferred
 from ignite_zero.adapters.zero import as_saved_optimizer_state
-from ignite_zero.loading import deferred
 from ignite_zero.storage.formats import Reader
 from ignite_zero.storage.formats.dcp_saved import InPlaceReads, SavedTensor, SavedTensors
 from ignite_zero.storage.formats.directory import DirectoryReader, load, name_of, nest, path_of, read_metadata, template
@@ -56,7 +55,7 @@ def entries_of(objects: Mapping, loaded: Any) -> dict[str, Any]:
 
 def entries_for(reader: Reader, objects: Mapping, weights_only: bool, into_objects: bool = False) -> Any:
     """The entry of every object of ``objects`` (nested as ``objects``): what this rank loads. Nothing of the
-    objects changes here: tensors read when an object is restored are deferred (:mod:`ignite_zero.loading.deferred`),
+    objects changes here: tensors read when an object is restored are deferred (:mod:`ignite_zero.adapters.deferred`),
     or given in :class:`ShardedEntry` with what is still to read.
 
     Args:

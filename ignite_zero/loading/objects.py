@@ -12,10 +12,10 @@ agreement (:func:`ignite_zero.agreement.together`):
    sharded entry it needs (:meth:`ShardedState.part_needed`); the ranks' hosts are known after it
    (:func:`ignite_zero.agreement.hosts_of_ranks`).
 2. Ranks that see the file read its structure, checked: the entries, their tensors still to be read
-   (:mod:`ignite_zero.loading.deferred`). The first rank that sees it, where some rank does not (a private or node-local
-   directory), verifies it whole, maps it with ``mmap`` and sends every rank that does not see it only the part it
-   asked for. Every rank then checks its entries (reading the small ones of per-rank state), and nothing is loaded
-   anywhere unless every check passed.
+   (:mod:`ignite_zero.adapters.deferred`). The first rank that sees it, where some rank does not (a private or
+   node-local directory), verifies it whole, maps it with ``mmap`` and sends every rank that does not see it only
+   the part it asked for. Every rank then checks its entries (reading the small ones of per-rank state), and
+   nothing is loaded anywhere unless every check passed.
 3. Every rank restores its objects, and learns whether all others did. Each reads here what it loads, once:
    modules their tensors, FSDP objects their parts of each tensor, a ZeRO optimizer its partition, straight into
    the tensors they are loaded into where the layouts allow, each block checked as it arrives (from a sharded
@@ -37,9 +37,8 @@ import torch
 from torch import nn
 
 from ignite_zero import transport, tree
-from ignite_zero.adapters import ShardedState, adapt, in_loadable_form
+from ignite_zero.adapters import ShardedState, adapt, deferred, in_loadable_form
 from ignite_zero.agreement import Hosts, hosts_of_ranks, rank_and_world, settle, together
-from ignite_zero.loading import deferred
 from ignite_zero.loading.entries import ShardedEntry, entries_for, entries_of
 from ignite_zero.loading.whole import as_one_file
 from ignite_zero.storage import replicas

@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from zlib_ng import zlib_ng
@@ -28,6 +28,7 @@ __all__ = [
     "human_size",
     "listed_leaves",
     "listed_object",
+    "read_exactly",
     "tensor_entry",
     "value_entry",
     "written_by",
@@ -46,6 +47,18 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
 
     .. versionadded:: 0.1.0
     """
+
+
+def read_exactly(f: IO[bytes], target: memoryview) -> bool:
+    """Fill ``target`` from ``f``, however many reads it takes; ``False`` if the file ends first, for the caller to
+    name the truncated file in its own terms."""
+    filled = 0
+    while filled < len(target):
+        count = f.readinto(target[filled:])  # type: ignore[attr-defined]
+        if not count:
+            return False
+        filled += count
+    return True
 
 
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
@@ -172,7 +185,7 @@ class Reader(ABC):
         """
 
     def close(self) -> None:
-        """End the reads of deferred tensors that this reader gave (:mod:`ignite_zero.loading.deferred`)."""
+        """End the reads of deferred tensors that this reader gave (:mod:`ignite_zero.adapters.deferred`)."""
         return None
 
     def __enter__(self) -> Reader:

@@ -203,7 +203,7 @@ class ChunkReading:
 
 class SavedTensor:
     """One saved tensor of a directory, read whole when its object takes it: the
-    :class:`~ignite_zero.loading.deferred.Source` of the views of its meta tensor.
+    :class:`~ignite_zero.adapters.deferred.Source` of the views of its meta tensor.
 
     Args:
         saved: the directory's entries.

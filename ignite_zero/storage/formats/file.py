@@ -57,7 +57,7 @@ class FileReader(Reader):
     Mapped with ``mmap`` where it can be, so that the ranks of one host share its pages. On an object store, each
     rank reads the file's structure, then only what its objects need, with ranged reads checked as they arrive
     (:class:`ReadChecks`): the tensors of whole entries, the partition of a ZeRO optimizer, and, for FSDP objects,
-    the elements of each tensor their shards hold, read as they load (:mod:`ignite_zero.loading.deferred`).
+    the elements of each tensor their shards hold, read as they load (:mod:`ignite_zero.adapters.deferred`).
 
     Args:
         place: its directory.

@@ -15,7 +15,7 @@ import torch
 from zlib_ng import zlib_ng
 
 from ignite_zero import _compat
-from ignite_zero.storage.formats.base import CLOSED_EARLY, IntegrityError, crc32
+from ignite_zero.storage.formats.base import CLOSED_EARLY, IntegrityError, crc32, read_exactly
 from ignite_zero.storage.formats.file_trailer import Blocks, Stored, parse_trailer
 
 __all__ = ["FileParts", "LastSpan", "ReadChecks", "Span", "read_bytes", "read_into"]
@@ -86,8 +86,8 @@ class Span(NamedTuple):
 
 
 class FileParts:
-    """Reads the views of a file's tensors that FSDP objects take (a :class:`~ignite_zero.loading.deferred.Source`): the
-    bytes from the view's first element to its last, in the checked spans that hold them.
+    """Reads the views of a file's tensors that FSDP objects take (a :class:`~ignite_zero.adapters.deferred.Source`):
+    the bytes from the view's first element to its last, in the checked spans that hold them.
 
     Args:
         f: the file, open; closed by :meth:`close`.
@@ -239,9 +239,5 @@ class LastSpan:
 
 
 def _read_exactly(f: IO[bytes], target: memoryview, what: str) -> None:
-    filled = 0
-    while filled < len(target):
-        count = f.readinto(target[filled:])  # type: ignore[attr-defined]
-        if not count:
-            raise IntegrityError(f"{f}: the file ends inside {what} (truncated)")
-        filled += count
+    if not read_exactly(f, target):
+        raise IntegrityError(f"{f}: the file ends inside {what} (truncated)")

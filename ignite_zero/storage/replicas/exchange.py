@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ignite_zero.storage.formats.base import IntegrityError, crc32
+from ignite_zero.storage.formats.base import IntegrityError, crc32, read_exactly
 from ignite_zero.storage.places import Place
 from ignite_zero.storage.replicas.frames import CHUNK_BYTES, Movers, receive_parts, send_end, send_part
 from ignite_zero.storage.replicas.placement import Layout
@@ -147,13 +147,8 @@ def _parts_of(place: Place, name: str, size: int) -> Iterator[torch.Tensor]:
         buffer = torch.empty(min(size, CHUNK_BYTES), dtype=torch.uint8)
         for begin in range(0, size, CHUNK_BYTES):
             part = buffer[: min(CHUNK_BYTES, size - begin)]
-            view = part.numpy().data
-            done = 0
-            while done < len(view):
-                read = file.readinto(view[done:])  # type: ignore[attr-defined]
-                if not read:
-                    raise IntegrityError(f"{place.location(name)} ends before its {size} bytes")
-                done += read
+            if not read_exactly(file, part.numpy().data):
+                raise IntegrityError(f"{place.location(name)} ends before its {size} bytes")
             yield part
 
 
