@@ -300,9 +300,13 @@ def together(
     Examples:
         .. code-block:: python
 
-            with together("listing", timeout=60.0) as listing:
-                listing.payload = sorted(os.listdir(directory))
-            every_listing = listing.payloads
+            import os
+
+            from ignite_zero.agreement import together
+
+            with together("listing of the checkpoints", timeout=60.0) as listing:
+                listing.payload = sorted(os.listdir("."))
+            every_listing = listing.payloads  # every rank's, in rank order
     """
     side = Together()
     failure = None

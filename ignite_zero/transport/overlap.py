@@ -90,13 +90,12 @@ class Overlap:
     peer's next (then every peer's next goes there), or takes no more bytes from slots (:meth:`finish`,
     :meth:`drain`): the thread and the saver never wait for each other.
 
-    Examples:
-        .. code-block:: python
+    A consolidating saver uses it so (``write`` stands for the saver's writer)::
 
-            with Overlap() as arriving:  # leaving it waits for every stream: no sender is left waiting
-                full = gather_to(state, 0, group, overlap=arriving)  # returns at once
-                if full is not None:
-                    write(full, arriving)  # takes each tensor's bytes through arriving.bytes_of
+        with Overlap() as arriving:  # leaving it waits for every stream: no sender is left waiting
+            full = gather_to(state, 0, group, overlap=arriving)  # returns at once
+            if full is not None:
+                write(full, arriving)  # takes each tensor's bytes through arriving.bytes_of
     """
 
     def __init__(self) -> None:

@@ -365,7 +365,13 @@ FAIRSCALE_CUDA = (
     "CUDA streams: it needs GPUs and NCCL (benchmarks/gpu_check.py saves and loads it there)"
 )
 
+
+def _every_listing(namespace: dict[str, Any], rank: int) -> None:
+    assert len(namespace["every_listing"]) == dist.get_world_size()
+
+
 EXAMPLES: dict[str, Example] = {
+    "ignite_zero.agreement.rounds.together": Example(2, plain, check=_every_listing),
     "ignite_zero.staging.Stager": Example(2, stager, check=_full_on_recipient),
     "ignite_zero.handlers.ConsolidateZeROHandler": Example(2, zero, ("optimizer.pt",), _global_zero_state),
     "ignite_zero.handlers.SaveOnSignal": Example(0, plain, check=_not_stopped),
