@@ -29,7 +29,15 @@ from ignite_zero.transport.streams import (
     receive_all,
     send_stream,
 )
-from ignite_zero.transport.wire import PeerError, receive_bytes, send_bytes, send_error
+from ignite_zero.transport.wire import (
+    PeerError,
+    post_error,
+    post_frame,
+    receive_bytes,
+    receive_frame,
+    send_bytes,
+    send_error,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -39,8 +47,11 @@ __all__ = [
     "StreamReceiver",
     "chunk_bytes_for",
     "gather_to",
+    "post_error",
+    "post_frame",
     "receive_all",
     "receive_bytes",
+    "receive_frame",
     "receive_from",
     "resolve",
     "send_bytes",

@@ -22,7 +22,20 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from ignite_zero import pickling
 from ignite_zero.adapters import regions as regions_module
 from ignite_zero.adapters.regions import Box, Pieces, Region, gather_pieces
-from ignite_zero.transport import DEFAULT_CHUNK_BYTES, gather_to, receive_from, send_failure, send_to, streams
+from ignite_zero.transport import (
+    DEFAULT_CHUNK_BYTES,
+    PeerError,
+    gather_to,
+    post_error,
+    post_frame,
+    receive_bytes,
+    receive_frame,
+    receive_from,
+    send_bytes,
+    send_failure,
+    send_to,
+    streams,
+)
 from ignite_zero.transport.groups import cpu_group
 
 # Small chunks force packing, slicing of big tensors and partial rows of non-contiguous ones;
@@ -225,6 +238,31 @@ def _test_errors(rank: int, world_size: int) -> None:
 def test_errors() -> None:
     """Serialization failures on any rank raise everywhere with the culprit named, never hang."""
     run_ranks(_test_errors, 3)
+
+
+def _test_frames(rank: int, world_size: int) -> None:
+    peer = 1 - rank
+    if rank == 0:
+        data = torch.arange(10, dtype=torch.uint8)
+        works = [*post_frame(data, peer, None), *post_frame(torch.empty(0, dtype=torch.uint8), peer, None)]
+        works += post_error(ValueError("unreadable"), peer, None)
+        for work in works:
+            work.wait()
+        send_bytes(b"header", peer, None)
+        return
+    buffer = torch.full((16,), 255, dtype=torch.uint8)
+    received = receive_frame(peer, None, "a part", lambda size: buffer[:size])
+    assert received.data_ptr() == buffer.data_ptr() and received.tolist() == list(range(10))
+    assert receive_frame(peer, None, "a part").numel() == 0  # an empty frame: its length alone
+    with pytest.raises(PeerError, match="rank 0 could not send a part: rank 0: ValueError: unreadable"):
+        receive_frame(peer, None, "a part")
+    assert receive_bytes(peer, None, "a header") == b"header"  # the frames after an error keep their order
+
+
+@pytest.mark.distributed
+def test_frames() -> None:
+    """Frames posted from a tensor's memory arrive in a caller's buffer, empty frames and errors in their order."""
+    run_ranks(_test_frames, 2)
 
 
 def _test_subgroup(rank: int, world_size: int) -> None:
