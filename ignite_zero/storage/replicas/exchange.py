@@ -17,9 +17,9 @@ from torch.distributed import ProcessGroup
 
 from ignite_zero.storage.formats.base import IntegrityError, crc32, read_exactly
 from ignite_zero.storage.places import Place
-from ignite_zero.storage.replicas.frames import CHUNK_BYTES, Movers, receive_parts, send_end, send_part
+from ignite_zero.storage.replicas.frames import CHUNK_BYTES, END, Movers, Posted, receive_parts
 from ignite_zero.storage.replicas.placement import Layout
-from ignite_zero.transport import PeerError, send_error
+from ignite_zero.transport import PeerError
 
 __all__ = ["Transfer", "check_arrived", "exchange"]
 
@@ -71,7 +71,7 @@ def exchange(
     written: list[BaseException] = []
     for peer in sorted({t.target for t in transfers if t.source == rank}):
         files = sorted((t.name, t.size) for t in transfers if t.source == rank and t.target == peer)
-        movers.start(peer, _send_files, files, source, peer, group, movers, unreadable)
+        movers.start(peer, _send_files, files, source, peer, group, timeout, unreadable)
     for peer in sorted({t.source for t in transfers if t.target == rank}):
         incoming = sorted((t for t in transfers if t.target == rank and t.source == peer), key=lambda t: t.name)
         movers.start(peer, _receive_files, incoming, target, atomic, group, movers, written)
@@ -86,25 +86,27 @@ def _send_files(
     place: Place,
     peer: int,
     group: ProcessGroup | None,
-    movers: Movers,
+    timeout: float,
     unreadable: list[BaseException],
 ) -> None:
-    """Send ``files`` (names and sizes) of ``place`` to ``peer``; one that cannot be read as an error message."""
+    """Send ``files`` (names and sizes) of ``place`` to ``peer``, each part posted while the next one is read; one
+    that cannot be read as an error message."""
+    posted = Posted(group, timeout, lambda peer: TimeoutError(f"Rank {peer} sent or took no file within {timeout} s"))
     for name, size in files:
         parts = _parts_of(place, name, size)
-        while True:
+        while posted.failure is None:
             try:
                 part = next(parts, None)
             except Exception as error:  # this file only: its receiver learns why, and the next one follows
                 unreadable.append(error)
-                with movers.message():
-                    send_error(error, peer, group)
+                posted.post_error(error, [peer])
                 break
-            with movers.message():
-                if part is None:
-                    send_end(peer, group)
-                    break
-                send_part(part, peer, group)
+            posted.post(END if part is None else part, [peer])
+            if part is None:
+                break
+    failure = posted.drain()
+    if failure is not None:
+        raise failure
 
 
 def _receive_files(
@@ -137,16 +139,15 @@ def _receive_files(
 
 def _parts_of(place: Place, name: str, size: int) -> Iterator[torch.Tensor]:
     """The parts of the file ``name`` of ``place``, of ``size`` bytes: straight from its pages where the place maps
-    files, else each read into one buffer, reused once the part before it was sent."""
+    files, else each read into a buffer of its own, since the parts before it may still travel."""
     with place.open(name) as file:
         if place.maps_files and size:
             mapped = _mapped(file, size)  # sent from the page cache: a copy of every byte fewer
             for begin in range(0, size, CHUNK_BYTES):
                 yield mapped[begin : begin + CHUNK_BYTES]
             return
-        buffer = torch.empty(min(size, CHUNK_BYTES), dtype=torch.uint8)
         for begin in range(0, size, CHUNK_BYTES):
-            part = buffer[: min(CHUNK_BYTES, size - begin)]
+            part = torch.empty(min(CHUNK_BYTES, size - begin), dtype=torch.uint8)  # its own: the last one may travel
             if not read_exactly(file, part.numpy().data):
                 raise IntegrityError(f"{place.location(name)} ends before its {size} bytes")
             yield part

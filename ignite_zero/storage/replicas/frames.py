@@ -1,11 +1,10 @@
 """How the parts of a replica file travel over the transport's wire, and the threads that move them, watched so that a
 peer that stops answering fails the move within its timeout.
 
-A file goes to a peer as parts of at most :data:`CHUNK_BYTES`, each a header (its size, framed as
-:func:`~ignite_zero.transport.send_bytes` frames bytes) and a stream of its bytes
-(:func:`~ignite_zero.transport.send_stream`: large parts straight from their memory), then :data:`END` at its end.
-A sender that fails in the middle of a file sends :func:`~ignite_zero.transport.send_error` instead, which the
-receiver raises as :class:`~ignite_zero.transport.PeerError`.
+A file goes to a peer as frames of the wire (:func:`~ignite_zero.transport.post_frame`): its parts, each of at most
+:data:`CHUNK_BYTES`, sent straight from their memory while the sender goes on (:class:`Posted`), then an empty frame
+at its end. A sender that fails in the middle of a file sends an error message instead
+(:func:`~ignite_zero.transport.post_error`), which the receiver raises as :class:`~ignite_zero.transport.PeerError`.
 """
 
 from __future__ import annotations
@@ -13,56 +12,121 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ignite_zero.transport import StreamReceiver, receive_all, receive_bytes, send_bytes, send_stream
+from ignite_zero.transport import post_error, post_frame, receive_frame
 
-__all__ = ["CHUNK_BYTES", "END", "Movers", "receive_parts", "send_end", "send_part"]
+__all__ = ["CHUNK_BYTES", "END", "Movers", "Posted", "receive_parts"]
 
 #: Bytes of one part of a file. Each rank holds one part per file it sends and up to three per file it receives (one
 #: arriving, the others being written); 16 MiB is where gloo over TCP stops gaining from larger messages.
 CHUNK_BYTES = 16 << 20
 
-#: The header that ends a file, or a relay's files in place of a name (the wire frames no empty message, and no file
-#: name nor size header is one zero byte).
-END = b"\x00"
+#: The frame that ends a file, or a sender's files in place of a name: an empty one.
+END = torch.empty(0, dtype=torch.uint8)
+
+# Bytes posted to the peers and not yet seen sent, beyond which a sender waits: what it keeps alive meanwhile.
+_IN_FLIGHT_BYTES = 4 * CHUNK_BYTES
+
+# What senders posted to a peer that stopped answering, kept alive for good: a message still in flight reads from its
+# tensor after the wait for it gave up.
+_abandoned: list[Any] = []
 
 
-def send_part(part: torch.Tensor, peer: int, group: ProcessGroup | None) -> None:
-    """Send ``part``, at most :data:`CHUNK_BYTES` bytes of a file (a flat ``uint8`` tensor), to ``peer``."""
-    send_bytes(part.numel().to_bytes(8, "little"), peer, group)
-    send_stream([part], peer, group, CHUNK_BYTES)
+class Posted:
+    """Frames posted to peers, sent in gloo's background while the poster goes on; the poster waits for the oldest
+    while more than :data:`_IN_FLIGHT_BYTES` are in flight. A message that takes longer than ``timeout`` seconds
+    fails the sender: nothing more is sent, and :attr:`failure` says why.
 
+    Args:
+        group: the gloo group of the peers.
+        timeout: seconds one message may take.
+        lost: the error of a message that took longer than ``timeout``, given its peer.
+    """
 
-def send_end(peer: int, group: ProcessGroup | None) -> None:
-    """Tell ``peer`` that the file being sent ends here."""
-    send_bytes(END, peer, group)
+    def __init__(self, group: ProcessGroup | None, timeout: float, lost: Callable[[int], BaseException]) -> None:
+        self._group, self._timeout, self._lost = group, timeout, lost
+        self._in_flight: deque[tuple[int, list[tuple[int, dist.Work]], Any]] = deque()  # bytes, works, what they send
+        self._bytes = 0
+        #: the first failure to send, if any
+        self.failure: BaseException | None = None
+
+    def post(self, data: torch.Tensor, peers: Sequence[int]) -> None:
+        """Send ``data`` (a flat ``uint8`` CPU tensor, kept unchanged until sent) as one frame to each of
+        ``peers``."""
+        self._post(lambda peer: post_frame(data, peer, self._group), peers, data)
+
+    def post_error(self, error: BaseException, peers: Sequence[int]) -> None:
+        """Send ``error``'s message to each of ``peers`` in place of the rest of a file."""
+        self._post(lambda peer: post_error(error, peer, self._group), peers, None)
+
+    def drain(self) -> BaseException | None:
+        """Wait for every frame posted; return the failure to send, if any."""
+        while self._in_flight:
+            self._complete_oldest()
+        return self.failure
+
+    def _post(self, post: Callable[[int], list[dist.Work]], peers: Sequence[int], data: Any) -> None:
+        if self.failure is not None:
+            return
+        works: list[tuple[int, dist.Work]] = []
+        try:
+            for peer in peers:
+                works += [(peer, work) for work in post(peer)]
+        except Exception as error:
+            self.failure = error
+        size = 0 if data is None else data.numel()
+        self._in_flight.append((size, works, data))
+        self._bytes += size
+        while self._bytes > _IN_FLIGHT_BYTES:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        size, works, data = self._in_flight.popleft()
+        self._bytes -= size
+        if self.failure is not None:  # a peer gone or stuck: no more waiting for it
+            _abandoned.append((works, data))
+            return
+        for peer, work in works:
+            started = time.monotonic()
+            try:
+                work.wait(timedelta(seconds=self._timeout))
+            except Exception as error:
+                self.failure = error
+                if time.monotonic() - started >= self._timeout:  # the peer gone quiet, or too slow
+                    self.failure = self._lost(peer)
+                    self.failure.__cause__ = error
+                _abandoned.append((works, data))
+                return
 
 
 def receive_parts(
     peer: int, group: ProcessGroup | None, buffer: Callable[[int], torch.Tensor], movers: Movers, what: str
 ) -> Iterator[torch.Tensor]:
-    """The parts of the file that ``peer`` sends, each received into ``buffer(size)``, until its end; each message
+    """The parts of the file that ``peer`` sends, each received into ``buffer(size)``, until its end; each frame
     watched by ``movers``.
 
     Raises:
         PeerError: the peer failed to send the file (its error message).
     """
-    while True:
-        with movers.message():
-            header = receive_bytes(peer, group, what)
-        if header == END:
-            return
-        size = int.from_bytes(header, "little")
+
+    def fit(size: int) -> torch.Tensor:
         if size > CHUNK_BYTES:  # a larger receive would not fit: the order of messages was lost
             raise RuntimeError(f"Rank {peer} announced a part of {size} bytes: the replicas' messages lost their order")
-        part = buffer(size)
+        return buffer(size)
+
+    while True:
         with movers.message():
-            receive_all([StreamReceiver(peer, [part], CHUNK_BYTES)], group)
+            part = receive_frame(peer, group, what, fit)
+        if not part.numel():
+            return
         yield part
 
 

@@ -4,9 +4,6 @@ writes what its sources send into its own host's directory."""
 from __future__ import annotations
 
 import contextlib
-import functools
-import queue
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -18,8 +15,8 @@ from torch.distributed import ProcessGroup
 
 from ignite_zero.storage.formats.base import crc32
 from ignite_zero.storage.places import LocalPlace, Place
-from ignite_zero.storage.replicas.frames import CHUNK_BYTES, END, Movers, receive_parts, send_end, send_part
-from ignite_zero.transport import PeerError, receive_bytes, send_bytes, send_error
+from ignite_zero.storage.replicas.frames import CHUNK_BYTES, END, Movers, Posted, receive_parts
+from ignite_zero.transport import PeerError, receive_bytes
 
 __all__ = ["Relay"]
 
@@ -27,11 +24,6 @@ __all__ = ["Relay"]
 # writes of tensor memory are sent from where they lie, adjacent ones as one part (the writer hands them over in
 # slices of 256 KiB).
 _SMALL = 64 << 10
-# Bytes a relay's sender has handed to its threads and not yet seen sent: what it keeps alive meanwhile.
-_IN_FLIGHT_BYTES = 4 * CHUNK_BYTES
-
-# A message for one partner, sent by its thread: what sends it to a peer over the relay's group, and its bytes.
-_Frame = tuple[Callable[[int], None], int]
 
 
 class Relay:
@@ -57,24 +49,23 @@ class Relay:
         self, directory: Place, partners: Sequence[int], sources: Sequence[int], group: ProcessGroup, timeout: float
     ) -> None:
         self.place = _Relayed(directory, self)
-        self._group = group
+        self._partners = list(partners)
         self._gathered = bytearray()
         self._run: tuple[torch.Tensor, int, int] | None = None  # adjacent tensor memory not sent yet: base, start, end
-        self._senders = _Senders(partners, group, timeout)
+        self._posted = Posted(group, timeout, lambda peer: TimeoutError(f"Rank {peer} took no file within {timeout} s"))
         self._receivers = _Receivers(directory, sources, group, timeout)
 
     def relay(self, name: str, stream: IO[bytes], dump: Callable[[IO[bytes]], object]) -> None:
         """Run ``dump`` on ``stream``, the file ``name`` of :attr:`place`, sending what it writes to the partners."""
-        group, header = self._group, name.encode()
-        self._senders.post(functools.partial(send_bytes, header, group=group), 0)
+        self._posted.post(torch.frombuffer(bytearray(name.encode()), dtype=torch.uint8), self._partners)
         try:
             dump(cast(IO[bytes], _Tee(stream, self)))
         except BaseException as error:
             self._flush()
-            self._senders.post(functools.partial(send_error, error, group=group), 0)
+            self._posted.post_error(error, self._partners)
             raise
         self._flush()
-        self._senders.post(functools.partial(send_end, group=group), 0)
+        self._posted.post(END, self._partners)
 
     def finish(self) -> dict[str, tuple[int, int]]:
         """Tell the partners that no file follows, wait for every message sent and every file received; return the
@@ -83,16 +74,16 @@ class Relay:
         Raises:
             the first failure to send, to receive or to write a file received.
         """
-        group = self._group
-        self._senders.post(functools.partial(send_bytes, END, group=group), 0)  # in place of a name: no file follows
-        failures = [*self._senders.close(), *self._receivers.join()]
+        self._posted.post(END, self._partners)  # in place of a name: no file follows
+        sent = self._posted.drain()
+        failures = [*([] if sent is None else [sent]), *self._receivers.join()]
         if failures:
             raise failures[0]
         return dict(self._receivers.received)
 
     def write(self, data: Any) -> None:
         """Send ``data``, bytes that the file being written got, after those before it."""
-        if self._senders.failed:  # a partner that cannot be reached: reported at the end
+        if self._posted.failure is not None:  # a partner that cannot be reached: reported at the end
             return
         view = memoryview(data).cast("B")
         memory = _tensor_memory(view) if view.nbytes >= _SMALL else None
@@ -129,66 +120,8 @@ class Relay:
             self._send_parts(base[start:end])
 
     def _send_parts(self, data: torch.Tensor) -> None:
-        group = self._group
         for begin in range(0, data.numel(), CHUNK_BYTES):  # no part larger than the receiver's buffer
-            part = data[begin : begin + CHUNK_BYTES]
-            self._senders.post(functools.partial(send_part, part, group=group), part.numel())
-
-
-class _Senders:
-    """A thread per partner that sends it, in order, the messages posted for every partner; the poster waits while
-    more than :data:`_IN_FLIGHT_BYTES` are posted to one partner and not yet sent."""
-
-    def __init__(self, partners: Sequence[int], group: ProcessGroup, timeout: float) -> None:
-        self._timeout = timeout
-        self._movers = Movers(timeout, lambda peer: TimeoutError(f"Rank {peer} took no file within {timeout} s"))
-        self._queues: dict[int, queue.Queue[_Frame | None]] = {partner: queue.Queue() for partner in partners}
-        self._posted = dict.fromkeys(partners, 0)  # bytes posted to each partner and not yet sent
-        self._room = threading.Condition()
-        self._failure: BaseException | None = None
-        for partner in partners:
-            self._movers.start(partner, self._send, partner)
-
-    @property
-    def failed(self) -> bool:
-        """Whether sending failed (a partner gone or stuck): nothing more is sent."""
-        return self._failure is not None or self._check()
-
-    def post(self, send: Callable[[int], None], size: int) -> None:
-        """Have ``send`` run for every partner, once fewer than :data:`_IN_FLIGHT_BYTES` wait for each."""
-        if self.failed:
-            return
-        with self._room:
-            for partner, waiting in self._queues.items():
-                waiting.put((send, size))
-                self._posted[partner] += size
-            while self._posted and max(self._posted.values()) > _IN_FLIGHT_BYTES and not self._check():
-                self._room.wait(min(1.0, self._timeout))
-
-    def close(self) -> list[BaseException]:
-        """Let every thread end once it has sent what was posted; return the failure to send, if any."""
-        for waiting in self._queues.values():
-            waiting.put(None)
-        self._movers.join()
-        self._check()
-        return [] if self._failure is None else [self._failure]
-
-    def _send(self, partner: int) -> None:
-        while (frame := self._queues[partner].get()) is not None:
-            send, size = frame
-            with self._movers.message():
-                send(partner)
-            with self._room:
-                self._posted[partner] -= size
-                self._room.notify_all()
-
-    def _check(self) -> bool:
-        """Whether sending failed, noting the failure the first time."""
-        if self._failure is None and self._movers.failures:
-            self._failure = self._movers.failures[0]
-        elif self._failure is None and self._movers.stalled():
-            self._failure = TimeoutError(f"A partner took no message of the relay within {self._timeout} s")
-        return self._failure is not None
+            self._posted.post(data[begin : begin + CHUNK_BYTES], self._partners)
 
 
 class _Receivers:
@@ -244,8 +177,7 @@ class _Receivers:
         """The name of the next file ``source`` sends; empty when it sends no more."""
         try:
             with self._movers.message():
-                header = receive_bytes(source, self._group, "its files")
-            return "" if header == END else header.decode()
+                return receive_bytes(source, self._group, "its files").decode()
         except _Unreachable:
             raise
         except Exception as error:
