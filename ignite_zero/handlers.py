@@ -98,7 +98,7 @@ class ConsolidateZeROHandler:
 _SignalHandler = Callable[[int, FrameType | None], Any] | int | None
 
 # Runs of SaveOnSignal handlers started in each default process group, counted alike on every rank: each run has
-# a key of its own in the store, and a group created again counts afresh, as agreement.py's rounds do.
+# a key of its own in the store, and a group created again counts afresh, as ``agreement.rounds`` does.
 _runs: weakref.WeakKeyDictionary[Any, itertools.count] = weakref.WeakKeyDictionary()
 
 

@@ -1,6 +1,6 @@
 """DTensor layouts: where a rank's local tensor sits in the full tensor, and which placements have a layout.
 
-:mod:`ignite_zero.adapters._fsdp2` and :mod:`ignite_zero.storage.formats.dcp_files` need each rank's block of a
+:mod:`ignite_zero.adapters._fsdp2` and :mod:`ignite_zero.storage.formats.dcp_saved` need each rank's block of a
 DTensor as DCP records it; torch computes it in a private function and keeps ``fully_shard``'s strided shards in a
 private placement class.
 """

@@ -1,11 +1,11 @@
 """FSDP1 (``FullyShardedDataParallel``) and FSDP2 (``fully_shard``) model and optimizer state, whole, on one rank.
 
-Saving: every rank describes what it holds as pieces of full tensors, and :func:`ignite_zero.gather_pieces`
-assembles them on the recipient, which receives each region once (its own first) straight into place. Other
-ranks send views of their shards: their memory does not grow beyond the transport's staging buffer, and
-nothing full is ever built on a GPU. torch's own routes do worse on this: FSDP1's full state dicts unshard
-every unit on every rank (and on CPU crash or hang with ``cpu_offload``), its sharded ones clone each rank's
-shard, and ``get_optimizer_state_dict`` runs a fake ``step()`` on an optimizer without state.
+Saving: every rank describes what it holds as pieces of full tensors, and
+:func:`~ignite_zero.adapters.regions.gather_pieces` assembles them on the recipient, which receives each region once
+(its own first) straight into place. Other ranks send views of their shards: their memory does not grow beyond the
+transport's staging buffer, and nothing full is ever built on a GPU. torch's own routes do worse on this: FSDP1's
+full state dicts unshard every unit on every rank (and on CPU crash or hang with ``cpu_offload``), its sharded ones
+clone each rank's shard, and ``get_optimizer_state_dict`` runs a fake ``step()`` on an optimizer without state.
 
 Loading is local: each rank copies its own region of each full tensor into its shards and optimizer state, so
 the full state may be one ``torch.load(..., mmap=True)`` result whose pages the ranks of a host share.

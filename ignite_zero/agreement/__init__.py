@@ -1,10 +1,10 @@
 """Agreement: ranks deciding together, through the process group's store.
 
-=========  ===========================================================================================
+==========  ==========================================================================================
 ``rounds``  who called, with what decision, within a timeout; every failure posted so that every rank raises
             the same error (:func:`together`)
 ``hosts``   the host of every rank, exchanged once per process group
-=========  ===========================================================================================
+==========  ==========================================================================================
 """
 
 from ignite_zero.agreement.hosts import Hosts, hosts_of_ranks

@@ -26,7 +26,7 @@ from ignite_zero.transport import post_error, post_frame, receive_frame
 __all__ = ["CHUNK_BYTES", "END", "Movers", "Posted", "receive_parts"]
 
 #: Bytes of one part of a file. Each rank holds one part per file it sends and up to three per file it receives (one
-#: arriving, the others being written); 16 MiB is where gloo over TCP stops gaining from larger messages.
+#: arriving, the others being written); larger messages gain little on gloo over TCP.
 CHUNK_BYTES = 16 << 20
 
 #: The frame that ends a file, or a sender's files in place of a name: an empty one.
