@@ -42,7 +42,7 @@ from ignite_zero.loading.latest import find_latest
 from ignite_zero.loading.objects import restore
 from ignite_zero.loading.resume import listed_on_every_rank, retention_until
 from ignite_zero.naming import check_filename, read_name
-from ignite_zero.save_ranks import check_layouts, layout, resolve_recipient, sharing_ranks
+from ignite_zero.save_ranks import check_entry_names, entry_names, resolve_recipient, sharing_ranks
 from ignite_zero.storage import Saver, SaveRequest, as_saver, replicas, saver_for
 from ignite_zero.storage.savers.background import BackgroundSaves
 
@@ -233,7 +233,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             return
         request = self._request(decision, ranks)
         if self._background is not None:
-            stream = self._background.claim(f"{saver.identity}|{self.filename_prefix}|{layout(self.to_save)}")
+            stream = self._background.claim(f"{saver.identity}|{self.filename_prefix}|{entry_names(self.to_save)}")
             request = dataclasses.replace(request, stream=stream)
             try:
                 self._background.start(
@@ -281,9 +281,9 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             for _, obj in tree.leaves(objects):
                 if isinstance(obj, ShardedState):
                     obj.check()
-            proposal.payload = (decision, layout(self.to_save))
+            proposal.payload = (decision, entry_names(self.to_save))
         proposals = proposal.payloads
-        check_layouts(dict(zip(ranks, (entries for _, entries in proposals))))
+        check_entry_names(dict(zip(ranks, (entries for _, entries in proposals))))
         if self.consolidate_recipient_rank not in ranks:
             raise ValueError(
                 f"The sharded objects of this checkpoint live on ranks {ranks}, which do not include the recipient, "
@@ -321,7 +321,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
 
     def _outcome_key(self, saver: Saver) -> str:
         """Where the recipient posts the outcome of its saves of replicated state, the same on every rank."""
-        identity = f"{saver.identity}|{self.filename_prefix}|{self.filename_pattern}|{layout(self.to_save)}"
+        identity = f"{saver.identity}|{self.filename_prefix}|{self.filename_pattern}|{entry_names(self.to_save)}"
         return f"outcome/{zlib.crc32(identity.encode()):08x}"
 
     def _tell_failure(self, failure: BaseException) -> None:

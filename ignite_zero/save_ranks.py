@@ -10,7 +10,7 @@ from ignite_zero.adapters import ShardedState
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.storage import Saver
 
-__all__ = ["check_layouts", "layout", "resolve_recipient", "sharing_ranks"]
+__all__ = ["check_entry_names", "entry_names", "resolve_recipient", "sharing_ranks"]
 
 
 def resolve_recipient(consolidate_recipient_rank: int | None, save_on_rank: int | None, saver: Saver | None) -> int:
@@ -46,7 +46,7 @@ def resolve_recipient(consolidate_recipient_rank: int | None, save_on_rank: int 
     return recipient
 
 
-def layout(objects: Any) -> list[str]:
+def entry_names(objects: Any) -> list[str]:
     """The entries each rank is about to save, to catch ranks whose ``to_save`` differ before any collective.
 
     Only names count: a sharded optimizer on a sub-group sits beside a plain one on the other ranks.
@@ -54,10 +54,10 @@ def layout(objects: Any) -> list[str]:
     return [tree.describe(path) for path, _ in tree.leaves(objects)]
 
 
-def check_layouts(layouts: dict[int, list[str]]) -> None:
-    """Raise ``ValueError`` unless every rank's :func:`layout` is the same."""
-    if len({tuple(layout) for layout in layouts.values()}) > 1:
-        listing = "; ".join(f"rank {rank}: {layout}" for rank, layout in layouts.items())
+def check_entry_names(by_rank: dict[int, list[str]]) -> None:
+    """Raise ``ValueError`` unless every rank's :func:`entry_names` are the same."""
+    if len({tuple(names) for names in by_rank.values()}) > 1:
+        listing = "; ".join(f"rank {rank}: {names}" for rank, names in by_rank.items())
         raise ValueError(f"`to_save` differs between ranks ({listing}); build it the same way on every rank.")
 
 
