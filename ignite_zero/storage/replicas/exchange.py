@@ -18,7 +18,7 @@ from torch.distributed import ProcessGroup
 from ignite_zero.storage.formats.base import IntegrityError, crc32, read_exactly
 from ignite_zero.storage.places import Place
 from ignite_zero.storage.replicas.frames import CHUNK_BYTES, END, Movers, Posted, receive_parts
-from ignite_zero.storage.replicas.placement import Layout
+from ignite_zero.storage.replicas.placement import ReplicaHosts
 from ignite_zero.transport import PeerError
 
 __all__ = ["Transfer", "check_arrived", "exchange"]
@@ -235,7 +235,7 @@ class _Writing:
 
 
 def check_arrived(
-    layout: Layout,
+    replica_hosts: ReplicaHosts,
     files: Mapping[int, Mapping[str, tuple[int, int]]],
     arrived: Mapping[int, Mapping[str, tuple[int, int]]],
     where: Any,
@@ -249,7 +249,7 @@ def check_arrived(
     wrong = [
         f"{name} of rank {source} on rank {target}"
         for source, written in files.items()
-        for target in layout.partners(source)
+        for target in replica_hosts.partners(source)
         for name, record in written.items()
         if tuple(arrived[target].get(name, ())) != tuple(record)
     ]

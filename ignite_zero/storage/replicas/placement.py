@@ -8,11 +8,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Layout", "layout_of", "manifest_facts"]
+__all__ = ["ReplicaHosts", "manifest_facts", "replica_hosts_of"]
 
 
 @dataclass(frozen=True)
-class Layout:
+class ReplicaHosts:
     """The hosts of the ranks of a save, and the ranks on other hosts that keep each rank's files.
 
     Attributes:
@@ -57,9 +57,9 @@ class Layout:
         return any(self.host_of(partner) == host for partner in self.partners(rank))
 
 
-def layout_of(members: Sequence[int], hosts: Sequence[str], replicas: int, dirname: Any) -> Layout:
-    """The layout of a save of ``replicas`` copies by ranks ``members`` on ``hosts``; the same on every rank, and so
-    are its errors.
+def replica_hosts_of(members: Sequence[int], hosts: Sequence[str], replicas: int, dirname: Any) -> ReplicaHosts:
+    """Who keeps whose files in a save of ``replicas`` copies by ranks ``members`` on ``hosts``; the same on every
+    rank, and so are its errors.
 
     Raises:
         ValueError: ``replicas`` not below the number of hosts, or hosts with different numbers of ranks.
@@ -71,7 +71,7 @@ def layout_of(members: Sequence[int], hosts: Sequence[str], replicas: int, dirna
             "checkpoint is kept once, on its disk. Replicas need ranks on several hosts.",
             stacklevel=4,
         )
-        return Layout(tuple(members), tuple(hosts), 0)
+        return ReplicaHosts(tuple(members), tuple(hosts), 0)
     if replicas >= len(names):
         raise ValueError(
             f"ShardedSaver(replicas={replicas}) keeps every rank's files on {replicas} hosts besides its own, but the "
@@ -85,16 +85,23 @@ def layout_of(members: Sequence[int], hosts: Sequence[str], replicas: int, dirna
             "rank at the same position on other hosts. Run as many ranks on every host, or save to a directory that "
             "every rank shares with `replicas=0`."
         )
-    return Layout(tuple(members), tuple(hosts), replicas)
+    return ReplicaHosts(tuple(members), tuple(hosts), replicas)
 
 
-def manifest_facts(layout: Layout, files: Mapping[int, Iterable[str]]) -> dict[str, Any]:
+def manifest_facts(replica_hosts: ReplicaHosts, files: Mapping[int, Iterable[str]]) -> dict[str, Any]:
     """What a replicated checkpoint's manifest says of its copies, given the ``files`` of each rank: how many, on
     which hosts, and which hosts keep each file (so that one host's directory tells what lives elsewhere). Their
     presence marks the checkpoint replicated."""
     keepers = {
-        name: [layout.host_of(rank), *(layout.host_of(partner) for partner in layout.partners(rank))]
+        name: [
+            replica_hosts.host_of(rank),
+            *(replica_hosts.host_of(partner) for partner in replica_hosts.partners(rank)),
+        ]
         for rank, names in files.items()
         for name in names
     }
-    return {"replicas": layout.replicas, "hosts": layout.host_names, "keepers": dict(sorted(keepers.items()))}
+    return {
+        "replicas": replica_hosts.replicas,
+        "hosts": replica_hosts.host_names,
+        "keepers": dict(sorted(keepers.items())),
+    }

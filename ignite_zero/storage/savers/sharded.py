@@ -117,15 +117,15 @@ class ShardedSaver(DirectorySaver):
     def is_writer(self) -> bool:
         """Whether this process prepares, seals and removes checkpoints: ``save_on_rank``; with replicas, the first
         rank of each host, for its host's directory."""
-        layout = self.kept.layout
-        if self.replicas and layout is not None:
-            return layout.leader(rank_and_world()[0]) == rank_and_world()[0]
+        replica_hosts = self.kept.replica_hosts
+        if self.replicas and replica_hosts is not None:
+            return replica_hosts.leader(rank_and_world()[0]) == rank_and_world()[0]
         return super().is_writer
 
     def remove(self, filename: str) -> None:
         """Remove the checkpoint ``filename``; with replicas, every host's copy, and quietly where a host never held
         it (one replaced, or added, since it was saved)."""
-        if self.kept.layout is not None and self.is_writer and filename not in self.place.entries():
+        if self.kept.replica_hosts is not None and self.is_writer and filename not in self.place.entries():
             return
         super().remove(filename)
 
@@ -259,10 +259,10 @@ class ShardedSaver(DirectorySaver):
         self._remove_temporaries()
         self.place.begin_directory(filename)
 
-    def use_layout(self, layout: replicas_.Layout) -> None:
+    def use_replica_hosts(self, replica_hosts: replicas_.ReplicaHosts) -> None:
         """Keep the hosts of the ranks learnt at the first replicated save; every host's first rank then checks its
         own directory."""
-        self.kept.layout = layout
+        self.kept.replica_hosts = replica_hosts
         self._prepared = False
 
 

@@ -82,7 +82,7 @@ class KeptBetweenSaves:
     """What a :class:`~ignite_zero.ShardedSaver` keeps from one commit to the next."""
 
     #: the hosts of the ranks, learnt at the first replicated save
-    layout: replicas_.Layout | None = None
+    replica_hosts: replicas_.ReplicaHosts | None = None
     #: the writer of every asynchronous save, whose host copies are reused
     async_writer: Any = None
     #: whether a save found the directory shared by every rank yet
@@ -127,12 +127,12 @@ class ShardedCommit:
             state: this rank's part, as DCP saves it.
             cache: whether to write through the saver's asynchronous writer, whose host copies are kept.
         """
-        if self.saver.replicas and self.kept.layout is None:
+        if self.saver.replicas and self.kept.replica_hosts is None:
             self._arrange()
         target = self.place.writing_directory(self.filename)
         # where the first save leaves its probe: where the ranks write, or beside it for replicas, where every host's
         # first rank clears what interrupted saves left in a directory that may turn out to be one for all
-        probed = self.place if self.kept.layout is not None else target
+        probed = self.place if self.kept.replica_hosts is not None else target
         self.writer = self._writer_for(target, cache)
         self.writer.written.clear()
         with together(f"preparation of {self.filename}", **self._round()) as preparation:
@@ -158,7 +158,9 @@ class ShardedCommit:
         else:
             known = hosts_of_ranks(self.timeout)
             hosts = [known.of(rank) for rank in self.members]
-        self.saver.use_layout(replicas_.layout_of(self.members, hosts, self.saver.replicas, self.saver.dirname))
+        self.saver.use_replica_hosts(
+            replicas_.replica_hosts_of(self.members, hosts, self.saver.replicas, self.saver.dirname)
+        )
 
     def _writer_for(self, target: Place, cache: bool) -> Any:
         """This save's DCP writer into ``target``; with ``cache``, the one of every asynchronous save."""
@@ -184,23 +186,23 @@ class ShardedCommit:
 
     def _probes(self) -> bool:
         """Whether this rank leaves the probe of the first save: the writing rank; with replicas, the first rank."""
-        if self.kept.layout is None:
+        if self.kept.replica_hosts is None:
             return True
-        return rank_and_world()[0] == self.members[0] and len(self.kept.layout.host_names) > 1
+        return rank_and_world()[0] == self.members[0] and len(self.kept.replica_hosts.host_names) > 1
 
     def _check_room(self, reports: Sequence[PreparationReport]) -> None:
         """Every rank learns whether the parts of all ranks fit on the disk of the writing rank; with replicas, on
         each host's disk, the parts it keeps."""
         sizes = dict(zip(self.members, (report.size for report in reports)))
         free = dict(zip(self.members, (report.free for report in reports)))
-        layout = self.kept.layout
-        if layout is None:
+        replica_hosts = self.kept.replica_hosts
+        if replica_hosts is None:
             space = next((space for space in free.values() if space is not None), None)
             check_room(self.place, self.filename, sum(sizes.values()), space, needs="its parts need up to")
             return
-        for host in layout.host_names:
-            leader = layout.ranks_on(host)[0]
-            needed = sum(sizes[rank] for rank in layout.kept_on(host))
+        for host in replica_hosts.host_names:
+            leader = replica_hosts.ranks_on(host)[0]
+            needed = sum(sizes[rank] for rank in replica_hosts.kept_on(host))
             needs = f"the parts that host {host} keeps need up to"
             check_room(self.place, self.filename, needed, free[leader], needs=needs)
 
@@ -208,8 +210,8 @@ class ShardedCommit:
         """Collective, at the first save: every rank reads the probe that the writing rank left where they are about
         to write, so that a directory the ranks do not share fails the job's first save, not its first resume. With
         replicas, the other way round: the ranks of other hosts must not see it."""
-        layout = self.kept.layout
-        prober = self.members[0] if layout is not None else self.saver.save_on_rank
+        replica_hosts = self.kept.replica_hosts
+        prober = self.members[0] if replica_hosts is not None else self.saver.save_on_rank
         here = rank_and_world()[0]
         try:
             with together(f"check of {self.filename}'s directory", **self._round()) as check:
@@ -217,14 +219,14 @@ class ShardedCommit:
         finally:
             if here == prober:
                 target.remove(_PROBE, recursive=False)
-        if layout is None:
+        if replica_hosts is None:
             blind = [rank for rank, sees in zip(self.members, check.payloads) if not sees]
             if blind:
                 raise self._not_shared(blind, f"ranks {blind} cannot see what rank {prober} wrote")
         else:
-            host = layout.host_of(prober)
+            host = replica_hosts.host_of(prober)
             elsewhere = [
-                rank for rank, sees in zip(self.members, check.payloads) if sees and layout.host_of(rank) != host
+                rank for rank, sees in zip(self.members, check.payloads) if sees and replica_hosts.host_of(rank) != host
             ]
             if elsewhere:
                 raise self._shared(elsewhere, prober)
@@ -238,13 +240,13 @@ class ShardedCommit:
         fit: in an asynchronous save, whose staging may fail on one rank after the others began to relay (their
         partners would wait for files that never come), and with several writing threads (a relay carries one file
         at a time)."""
-        layout = self.kept.layout
-        if layout is None or not layout.replicas or self.saver.thread_count > 1:
+        replica_hosts = self.kept.replica_hosts
+        if replica_hosts is None or not replica_hosts.replicas or self.saver.thread_count > 1:
             return
         rank = rank_and_world()[0]
-        sources = [source for source in layout.members if rank in layout.partners(source)]
+        sources = [source for source in replica_hosts.members if rank in replica_hosts.partners(source)]
         group = self.replicas_group()
-        self.relayed = replicas_.Relay(self.writer.place, layout.partners(rank), sources, group, self.timeout)
+        self.relayed = replicas_.Relay(self.writer.place, replica_hosts.partners(rank), sources, group, self.timeout)
         self.writer.reset(self.relayed.place)
 
     def replicas_group(self) -> Any:
@@ -255,8 +257,8 @@ class ShardedCommit:
     def group_after_write(self) -> Any:
         """The group that a synchronous save sends its files over once written: the replicas' own where no relay
         sent them, since a wait there that times out must not close the connections of every rank's group."""
-        layout = self.kept.layout
-        return self.replicas_group() if layout and layout.replicas and self.relayed is None else None
+        replica_hosts = self.kept.replica_hosts
+        return self.replicas_group() if replica_hosts and replica_hosts.replicas and self.relayed is None else None
 
     def stage(self, state: Mapping[str, Any]) -> Mapping[str, Any] | Exception:
         """Copy this rank's ``state`` into the writer's host memory: the copy, or the failure to report with the
@@ -308,11 +310,13 @@ class ShardedCommit:
         files = [report.written for report in reports]
         records = {name: entries for report in reports for name, entries in report.records.items()}
         by_rank = dict(zip(self.members, files))
-        layout = self.kept.layout
-        if layout is not None and self.relayed is not None:  # the same verdict on every rank, from the same reports
+        replica_hosts = self.kept.replica_hosts
+        if (
+            replica_hosts is not None and self.relayed is not None
+        ):  # the same verdict on every rank, from the same reports
             arrived = dict(zip(self.members, (report.received for report in reports)))
-            replicas_.check_arrived(layout, by_rank, arrived, self.place.location(self.filename))
-        elif layout is not None:
+            replicas_.check_arrived(replica_hosts, by_rank, arrived, self.place.location(self.filename))
+        elif replica_hosts is not None:
             try:
                 self._replicate(by_rank, group)
             except Exception:  # raised on every rank alike
@@ -345,7 +349,7 @@ class ShardedCommit:
         with replicas, every rank."""
         # without replicas, only the writing rank needs every rank's files (with replicas, every rank checks them)
         writing = self.saver.save_on_rank
-        sealer = writing if self.kept.layout is None and writing in self.members else None
+        sealer = writing if self.kept.replica_hosts is None and writing in self.members else None
         payload = FilesReport(dict(self.writer.written), dict(self.writer.records), received)
         try:
             return settle(failure, what=f"sharded save of {self.filename}", payload=payload, to=sealer, **self._round())
@@ -358,12 +362,12 @@ class ShardedCommit:
         """Collective, once the files are written (where no relay sent them as they were): every rank sends its
         files to its partners on other hosts, which write them into their host's directory; every rank learns
         whether all arrived whole."""
-        layout = self.kept.layout
-        assert layout is not None
+        replica_hosts = self.kept.replica_hosts
+        assert replica_hosts is not None
         transfers = [
             replicas_.Transfer(source, target, name, size, crc)
             for source, files in by_rank.items()
-            for target in layout.partners(source)
+            for target in replica_hosts.partners(source)
             for name, (size, crc) in sorted(files.items())
         ]
         if not transfers:
@@ -375,7 +379,7 @@ class ShardedCommit:
     def seal(self, agreed: AgreedFiles) -> None:
         """Collective: the writing rank (with replicas, each host's first) seals its directory and puts it in place;
         with replicas, every rank then learns that every host did, before older checkpoints go."""
-        if self.kept.layout is None:
+        if self.kept.replica_hosts is None:
             if self.saver.is_writer:
                 self._seal_here(agreed)
         else:
@@ -389,21 +393,25 @@ class ShardedCommit:
                 self.place.location(self.filename),
                 sum(size for size, _ in listed) / 1e6,
                 len(listed),
-                0 if self.kept.layout is None else self.kept.layout.replicas,
+                0 if self.kept.replica_hosts is None else self.kept.replica_hosts.replicas,
                 time.perf_counter() - (self.started or 0.0),
             )
 
     def _seal_here(self, agreed: AgreedFiles) -> None:
         """On a rank that seals: check that the files its directory keeps are there, and seal it with the manifest
         of every file."""
-        layout, by_rank = self.kept.layout, agreed.by_rank
+        replica_hosts, by_rank = self.kept.replica_hosts, agreed.by_rank
         written = self.place.writing_directory(self.filename)
-        kept = list(by_rank) if layout is None else layout.kept_on(layout.host_of(rank_and_world()[0]))
+        kept = (
+            list(by_rank)
+            if replica_hosts is None
+            else replica_hosts.kept_on(replica_hosts.host_of(rank_and_world()[0]))
+        )
         self._check_every_part_is_there(written, [by_rank[rank] for rank in kept], kept)
         listed = {name: record for rank_files in by_rank.values() for name, record in rank_files.items()}
         facts = {"world_size": len(by_rank), "torch": torch.__version__, "ignite_zero": package_version()}
-        if layout is not None:
-            facts.update(replicas_.manifest_facts(layout, by_rank))
+        if replica_hosts is not None:
+            facts.update(replicas_.manifest_facts(replica_hosts, by_rank))
         records = agreed.records
         self.place.commit_directory(self.filename, lambda written: sharded.seal(written, listed, records, **facts))
 

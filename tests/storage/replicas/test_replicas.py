@@ -16,34 +16,34 @@ from ignite_zero.storage.formats import IntegrityError
 from ignite_zero.storage.formats.base import crc32
 from ignite_zero.storage.formats.torch_zip import tensor_bytes
 from ignite_zero.storage.places import LocalPlace
-from ignite_zero.storage.replicas import CHUNK_BYTES, Relay, check_arrived, check_host_copy, layout_of
+from ignite_zero.storage.replicas import CHUNK_BYTES, Relay, check_arrived, check_host_copy, replica_hosts_of
 from ignite_zero.transport.groups import cpu_group
 
 
 def test_partners_follow_the_host_names_not_the_ranks():
     # ranks placed on hosts out of rank order: rank 0 on "c", ranks 1 and 4 on "a", ...
     hosts = ["c", "a", "b", "c", "a", "b"]
-    layout = layout_of(range(6), hosts, 1, "ckpt")
-    assert layout.host_names == ["a", "b", "c"]
+    replica_hosts = replica_hosts_of(range(6), hosts, 1, "ckpt")
+    assert replica_hosts.host_names == ["a", "b", "c"]
     # the first rank of "a" (rank 1) is kept by the first rank of "b" (rank 2), which is kept by the first of "c"
-    assert [layout.partners(rank) for rank in range(6)] == [[1], [2], [0], [4], [5], [3]]
-    assert [layout.leader(rank) for rank in range(6)] == [0, 1, 2, 0, 1, 2]
-    assert layout.kept_on("a") == [0, 1, 3, 4]  # its own ranks, and those of "c", the host before it
-    two = layout_of(range(6), hosts, 2, "ckpt")
+    assert [replica_hosts.partners(rank) for rank in range(6)] == [[1], [2], [0], [4], [5], [3]]
+    assert [replica_hosts.leader(rank) for rank in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert replica_hosts.kept_on("a") == [0, 1, 3, 4]  # its own ranks, and those of "c", the host before it
+    two = replica_hosts_of(range(6), hosts, 2, "ckpt")
     assert two.partners(1) == [2, 0] and two.kept_on("a") == list(range(6))
 
 
 def test_bad_settings_name_the_problem_and_the_fix():
     with pytest.raises(ValueError, match=r"replicas=2.*on 2 hosts \(a, b\).*at most 1"):
-        layout_of(range(4), ["a", "a", "b", "b"], 2, "ckpt")
+        replica_hosts_of(range(4), ["a", "a", "b", "b"], 2, "ckpt")
     with pytest.raises(ValueError, match=r"different numbers of ranks \(a: 2, b: 1\).*`replicas=0`"):
-        layout_of(range(3), ["a", "a", "b"], 1, "ckpt")
+        replica_hosts_of(range(3), ["a", "a", "b"], 1, "ckpt")
 
 
 def test_one_host_keeps_one_copy_with_a_warning():
     with pytest.warns(UserWarning, match=r"every rank runs on one host \(a\), so each checkpoint is kept once"):
-        layout = layout_of(range(2), ["a", "a"], 1, "ckpt")
-    assert layout.replicas == 0 and layout.partners(1) == []
+        replica_hosts = replica_hosts_of(range(2), ["a", "a"], 1, "ckpt")
+    assert replica_hosts.replicas == 0 and replica_hosts.partners(1) == []
 
 
 def test_replicas_is_a_count(tmp_path):
@@ -53,14 +53,14 @@ def test_replicas_is_a_count(tmp_path):
 
 def test_copies_that_arrived_otherwise_than_written_are_named():
     # two hosts of one rank, each keeping the other's files: what each rank wrote, and what each received
-    layout = layout_of(range(2), ["a", "b"], 1, "ckpt")
+    replica_hosts = replica_hosts_of(range(2), ["a", "b"], 1, "ckpt")
     written = {0: {".metadata": (10, 1), "__0_0.distcp": (100, 2)}, 1: {"__1_0.distcp": (100, 3)}}
     arrived = {0: {"__1_0.distcp": (100, 3)}, 1: {".metadata": (10, 1), "__0_0.distcp": (100, 2)}}
-    check_arrived(layout, written, arrived, "ckpt/checkpoint_1.dcp")
+    check_arrived(replica_hosts, written, arrived, "ckpt/checkpoint_1.dcp")
     arrived[1]["__0_0.distcp"] = (100, 7)  # another CRC-32
     del arrived[0]["__1_0.distcp"]  # never arrived
     with pytest.raises(IntegrityError, match=r"__0_0.distcp of rank 0 on rank 1, __1_0.distcp of rank 1 on rank 0"):
-        check_arrived(layout, written, arrived, "ckpt/checkpoint_1.dcp")
+        check_arrived(replica_hosts, written, arrived, "ckpt/checkpoint_1.dcp")
 
 
 def _relay_to_each_other(rank: int, world_size: int, root: Path) -> tuple[dict, list[str]]:
