@@ -68,8 +68,8 @@ class _Agreement:
 class SavePlanning:
     """One stream of saves of one saver: the plans of each save, agreed among its ranks, and those kept from the last.
 
-    A save calls :meth:`offer`, shares the offer of every rank, then calls :meth:`agree` with all of them; where that
-    returns False, every rank shares :meth:`full_offer` and calls :meth:`agree` again. Then :meth:`write` writes this
+    A save calls :meth:`offer`, shares the offer of every rank, then calls :meth:`make_global_plans` with all of them;
+    where that returns False, every rank shares :meth:`full_offer` and calls it again. Then :meth:`write` writes this
     rank's files and, given every rank's write results, the coordinator writes ``.metadata`` (:meth:`finish`).
 
     Agreements are numbered above every number that any of their ranks saw, so that two ranks keeping plans from
@@ -129,9 +129,9 @@ class SavePlanning:
         assert self._local_plan is not None, "offer() first"
         return Offer(0, self._latest, self._local_plan)
 
-    def agree(self, offers: Sequence[Offer], writer: StorageWriter) -> bool:
-        """Agree on the save's plans: this rank's part of the global plan (and the coordinator's metadata), made afresh
-        where any plan changed, else kept.
+    def make_global_plans(self, offers: Sequence[Offer], writer: StorageWriter) -> bool:
+        """Make the save's plans from every rank's offer, here, as every rank does alike: this rank's part of the
+        global plan (and the coordinator's metadata), made afresh where any plan changed, else kept.
 
         Args:
             offers: every rank's offer, in the order of the members.
@@ -139,7 +139,7 @@ class SavePlanning:
 
         Returns:
             False, with nothing planned, where ranks offered no plan from different kept agreements: every rank then
-            shares :meth:`full_offer` and agrees again.
+            shares :meth:`full_offer` and makes them again.
         """
         kept = self._kept
         self._latest = max(self._latest, *(offer.latest for offer in offers))
@@ -175,7 +175,7 @@ class SavePlanning:
         if staged is not None:
             planner = DefaultSavePlanner()
             planner.set_up_planner(state_dict=dict(staged), is_coordinator=self.is_coordinator)
-        assert planner is not None and kept is not None, "offer() and agree() first"
+        assert planner is not None and kept is not None, "offer() and make_global_plans() first"
         writes = writer.write_data(planner.finish_plan(kept.central_plan), planner)
         writes.wait()
         return writes.value()
@@ -188,7 +188,7 @@ class SavePlanning:
             results: every rank's results of :meth:`write`, in the order of the members.
         """
         kept = self._kept
-        assert kept is not None and kept.metadata is not None, "the coordinator's agree() first"
+        assert kept is not None and kept.metadata is not None, "the coordinator's make_global_plans() first"
         writer.finish(metadata=kept.metadata, results=[list(part) for part in results])
 
     def release(self) -> None:

@@ -144,10 +144,11 @@ class ShardedCommit:
         if probe is not None:
             self._check_seen_by_every_rank(probed, probe)
         self._check_room(reports)
-        if not self.planning.agree([report.offer for report in reports], self.writer):  # kept from other agreements
+        offers = [report.offer for report in reports]
+        if not self.planning.make_global_plans(offers, self.writer):  # kept from other agreements
             what = f"planning of {self.filename}"
-            offers = settle(None, what=what, payload=self.planning.full_offer(), **self._round())
-            self.planning.agree(offers, self.writer)
+            full_offers = settle(None, what=what, payload=self.planning.full_offer(), **self._round())
+            self.planning.make_global_plans(full_offers, self.writer)
 
     def _arrange(self) -> None:
         """Collective, at the first replicated save: learn the host of every rank, and so which ranks keep whose

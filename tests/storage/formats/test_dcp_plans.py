@@ -19,7 +19,7 @@ class _Rank:
         return self.planning.offer(state, self.writer, [0, 1], self.rank)
 
     def agree(self, offers):
-        return self.planning.agree(offers, self.writer)
+        return self.planning.make_global_plans(offers, self.writer)
 
 
 def _save(ranks, states, taking_part=(0, 1), second_round=None):
@@ -82,7 +82,7 @@ def test_an_agreement_among_other_ranks_is_not_kept_for_these(tmp_path):
     writer = PlaceStorageWriter(LocalPlace(tmp_path))
     state = {"x": torch.zeros(2)}
     alone = planning.offer(state, writer, [1], 1)
-    assert planning.agree([alone], writer)
+    assert planning.make_global_plans([alone], writer)
     together = planning.offer(state, writer, [0, 1], 1)
     assert together.plan is not None and together.kept == 0
 
@@ -92,6 +92,6 @@ def test_an_agreement_is_kept_for_the_same_position_among_the_same_ranks_only(tm
     writer = PlaceStorageWriter(LocalPlace(tmp_path))
     state = {"x": torch.zeros(2)}
     offers = [planning.offer(state, writer, [0, 1], 0), _Rank(1, tmp_path).offer({"y": torch.zeros(3)})]
-    assert planning.agree(offers, writer)
+    assert planning.make_global_plans(offers, writer)
     moved = planning.offer(state, writer, [0, 1], 1)  # the process is another rank of the same job now
     assert moved.plan is not None and moved.kept == 0
