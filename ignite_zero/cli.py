@@ -112,17 +112,17 @@ def _inspect(reader: Reader, as_json: bool, out: TextIO) -> int:
     return 0
 
 
-def _verify(reader: Reader, out: TextIO, holding: replicas.HostCopy | None = None) -> int:
+def _verify(reader: Reader, out: TextIO, host_copy: replicas.HostCopy | None = None) -> int:
     path = reader.path
-    if holding is not None and holding.elsewhere:  # one host's directory of a replicated checkpoint: what it holds
-        total = len(holding.here) + len(holding.elsewhere)
+    if host_copy is not None and host_copy.elsewhere:  # one host's directory of a replicated checkpoint: what it holds
+        total = len(host_copy.here) + len(host_copy.elsewhere)
         print(
-            f"{path}: OK on {holding.host}: {len(holding.here)} of {total} files here, sizes and CRC-32 match the "
-            f"manifest (replicated on {len(holding.hosts)} hosts, {', '.join(holding.hosts)}, with "
-            f"replicas={holding.replicas})",
+            f"{path}: OK on {host_copy.host}: {len(host_copy.here)} of {total} files here, sizes and CRC-32 match the "
+            f"manifest (replicated on {len(host_copy.hosts)} hosts, {', '.join(host_copy.hosts)}, with "
+            f"replicas={host_copy.replicas})",
             file=out,
         )
-        elsewhere = [f"{name} ({', '.join(hosts) or 'another host'})" for name, hosts in holding.elsewhere.items()]
+        elsewhere = [f"{name} ({', '.join(hosts) or 'another host'})" for name, hosts in host_copy.elsewhere.items()]
         print(f"{path}: only on other hosts: {'; '.join(elsewhere)}", file=out)
         return 0
     with warnings.catch_warnings():

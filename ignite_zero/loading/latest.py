@@ -90,12 +90,14 @@ def find_latest(
     with together("search for the latest checkpoint (listing)", timeout=sync_timeout) as listing:
         listing.payload = {index: _candidates(directories[index], filename_prefix) for index in mine}
     for index, name in _newest_first(listing.payloads):
-        if _verified(directories[index], name, held=name in listing.payload.get(index, {}), timeout=sync_timeout):
+        if _verified_on_some_host(
+            directories[index], name, held=name in listing.payload.get(index, {}), timeout=sync_timeout
+        ):
             return str(directories[index].location(name))
     return None
 
 
-def _verified(directory: Place, name: str, *, held: bool, timeout: float) -> bool:
+def _verified_on_some_host(directory: Place, name: str, *, held: bool, timeout: float) -> bool:
     """Whether the candidate ``name`` of ``directory`` verified whole on some host; each host that ``held`` it in its
     listing verifies what it has. A collective, as :func:`find_latest` is."""
     with together("search for the latest checkpoint (verification)", timeout=timeout) as verification:

@@ -92,7 +92,7 @@ def _restore(
         if reader is None:
             local = entries_of(objects, checkpoint)
         else:
-            local = entries_for(_verified(reader), objects, weights_only)
+            local = entries_for(_checked_before_reading(reader), objects, weights_only)
         # read whole into new tensors, each checked, before anything changes: a corrupt record changes nothing
         for load in _prepare(objects, _for_plain_optimizers(objects, deferred.realize_all(local)), kwargs):
             load()
@@ -149,7 +149,8 @@ def _collective(objects: Any) -> bool:
     return rank_and_world()[1] > 1 and any(isinstance(obj, ShardedState) for _, obj in tree.leaves(objects))
 
 
-def _verified(reader: Reader) -> Reader:
+def _checked_before_reading(reader: Reader) -> Reader:
+    """``reader``, its checkpoint checked as much as a load needs before it reads (each part is checked as read)."""
     reader.verify(whole=False)
     return reader
 
