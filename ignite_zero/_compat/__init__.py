@@ -10,7 +10,7 @@ means editing that module alone:
 - :mod:`~ignite_zero._compat.serialization`: ``torch.save``'s archive and ``torch.load``'s offsets;
 - :mod:`~ignite_zero._compat.dcp`: torch.distributed.checkpoint;
 - :mod:`~ignite_zero._compat.dtensor`: DTensor layouts;
-- :mod:`~ignite_zero._compat.modules`: ``nn.Module``'s non-persistent buffers;
+- :mod:`~ignite_zero._compat.modules`: ``nn.Module``'s non-persistent buffers and extra state, torch's wrappers;
 - :mod:`~ignite_zero._compat.fsdp1`: FSDP1's ``FlatParameter``;
 - :mod:`~ignite_zero._compat.fairscale_fsdp`: fairscale's ``FullyShardedDataParallel``.
 
@@ -31,6 +31,7 @@ from ignite_zero._compat.dcp import (
 )
 from ignite_zero._compat.dtensor import dtensor_block, unsupported_placement
 from ignite_zero._compat.fairscale_fsdp import (
+    FAIRSCALE_WRAPPER_SEGMENTS,
     FairscaleParamEntry,
     FairscaleShardedParam,
     FairscaleSharedEntry,
@@ -55,7 +56,7 @@ from ignite_zero._compat.fsdp1 import (
     is_fsdp_flattened,
 )
 from ignite_zero._compat.ignite_events import CheckpointEvents
-from ignite_zero._compat.modules import non_persistent_buffer_names
+from ignite_zero._compat.modules import EXTRA_STATE_KEY, TORCH_WRAPPER_SEGMENTS, non_persistent_buffer_names
 from ignite_zero._compat.process_groups import default_store
 from ignite_zero._compat.serialization import (
     SavedStorage,
@@ -75,8 +76,11 @@ from ignite_zero._compat.torch_version import MIN_TORCH_VERSION, TORCH_VERSION
 
 __all__ = [
     "DCP_VERSION",
+    "EXTRA_STATE_KEY",
+    "FAIRSCALE_WRAPPER_SEGMENTS",
     "MIN_TORCH_VERSION",
     "TORCH_VERSION",
+    "TORCH_WRAPPER_SEGMENTS",
     "CheckpointEvents",
     "DcpFsspecReader",
     "DcpFsspecWriter",

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
+    "FAIRSCALE_WRAPPER_SEGMENTS",
     "FairscaleParamEntry",
     "FairscaleSharedEntry",
     "FairscaleShardedParam",
@@ -32,6 +33,10 @@ __all__ = [
     "is_fairscale_fsdp",
     "is_fairscale_fsdp_param",
 ]
+
+# The attributes fairscale's wrappers keep the wrapped module in (FullyShardedDataParallel, FlattenParamsWrapper), so
+# segments of the names under them that the unwrapped module's state_dict() lacks.
+FAIRSCALE_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
 
 _FAIRSCALE_UNIT_ATTRIBUTES = (
     "params",

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ignite_zero import _compat
 from ignite_zero.adapters import deferred
 from ignite_zero.adapters.regions import Box, Pieces
 
@@ -31,14 +32,10 @@ __all__ = [
     "whole_slot",
 ]
 
-# Name segments that wrappers insert and the unwrapped module's state_dict() lacks: FSDP1's wrapper,
-# activation checkpointing's wrapper, torch.compile's OptimizedModule (DSD drops the same ones).
-_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-
 
 def clean_name(name: str) -> str:
     """``name`` as in the unwrapped module's ``state_dict()``."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+    return ".".join(part for part in name.split(".") if part not in _compat.TORCH_WRAPPER_SEGMENTS)
 
 
 def has_extra_state(module: nn.Module) -> bool:
@@ -131,7 +128,7 @@ def add_unsharded(pieces: Pieces, prefix: str, module: nn.Module, tensors: Itera
     for name, value in tensors:
         add_value(pieces, (prefix + name,), value)
     if has_extra_state(module):
-        add_value(pieces, (prefix + "_extra_state",), module.get_extra_state())
+        add_value(pieces, (prefix + _compat.EXTRA_STATE_KEY,), module.get_extra_state())
 
 
 def add_value(pieces: Pieces, key: tuple[Any, ...], value: Any) -> None:
@@ -187,7 +184,7 @@ class PendingModelLoad:
             if saved is not None:
                 self.copy(value, saved)
         if has_extra_state(module):
-            saved = self.expect(prefix + "_extra_state", None)
+            saved = self.expect(prefix + _compat.EXTRA_STATE_KEY, None)
             if saved is not None:
                 self.call(module.set_extra_state, saved)
 

@@ -63,9 +63,6 @@ __all__ = [
     "is_fairscale_fsdp_module",
 ]
 
-# The name segments fairscale's wrappers insert (FullyShardedDataParallel, FlattenParamsWrapper).
-_FAIRSCALE_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
-
 
 def is_fairscale_fsdp_module(module: Any) -> bool:
     """Whether ``module`` is, or contains, a fairscale ``FullyShardedDataParallel``.
@@ -107,7 +104,9 @@ def holds_fairscale_fsdp_parameters(optimizer: torch.optim.Optimizer) -> bool:
 
 def _prefix(module_name: str) -> str:
     """The prefix of a module's entries in the unwrapped module's ``state_dict()``."""
-    name = clean_name(".".join(part for part in module_name.split(".") if part not in _FAIRSCALE_SEGMENTS))
+    name = clean_name(
+        ".".join(part for part in module_name.split(".") if part not in _compat.FAIRSCALE_WRAPPER_SEGMENTS)
+    )
     return f"{name}." if name else ""
 
 
