@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -35,9 +36,29 @@ END = torch.empty(0, dtype=torch.uint8)
 # Bytes posted to the peers and not yet seen sent, beyond which a sender waits: what it keeps alive meanwhile.
 _IN_FLIGHT_BYTES = 4 * CHUNK_BYTES
 
-# What senders posted to a peer that stopped answering, kept alive for good: a message still in flight reads from its
-# tensor after the wait for it gave up.
-_abandoned: list[Any] = []
+
+class _GivenUp:
+    """Sends that their sender stopped waiting for (their peer stopped answering, or another send failed), with the
+    tensors they read from, kept by the group they were posted on.
+
+    Its one reason: gloo may still read a message's memory after the wait for it gave up, until the group's
+    connections close, and the group outlives the sender that posted on it (torch keeps it until
+    ``destroy_process_group``). The sends are kept as long as their group, and released with it.
+    """
+
+    def __init__(self) -> None:
+        self._by_group: weakref.WeakKeyDictionary[ProcessGroup, list[Any]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()  # senders of several threads give up at once
+
+    def keep(self, group: ProcessGroup | None, works: list[tuple[int, dist.Work]], data: Any) -> None:
+        """Keep ``works``, posted on ``group`` (``None``: the default group), and the ``data`` they send."""
+        owner = dist.group.WORLD if group is None else group
+        assert owner is not None, "posted on a default group that no longer exists"
+        with self._lock:
+            self._by_group.setdefault(owner, []).append((works, data))
+
+
+_GIVEN_UP = _GivenUp()
 
 
 class Posted:
@@ -92,7 +113,7 @@ class Posted:
         size, works, data = self._in_flight.popleft()
         self._bytes -= size
         if self.failure is not None:  # a peer gone or stuck: no more waiting for it
-            _abandoned.append((works, data))
+            _GIVEN_UP.keep(self._group, works, data)
             return
         for peer, work in works:
             started = time.monotonic()
@@ -103,7 +124,7 @@ class Posted:
                 if time.monotonic() - started >= self._timeout:  # the peer gone quiet, or too slow
                     self.failure = self._lost(peer)
                     self.failure.__cause__ = error
-                _abandoned.append((works, data))
+                _GIVEN_UP.keep(self._group, works, data)
                 return
 
 
