@@ -1,7 +1,7 @@
 """Sharded and asynchronous saves: ignite_zero against a raw ``dcp.save`` and against its own synchronous saves.
 
     python benchmarks/sharded.py             # sharded / dcp.save: ZeRO and FSDP2, 50M parameters, 2 and 4 ranks,
-                                             # tmpfs and disk (about 4 minutes on the 2-core CI machine)
+                                             # tmpfs and disk (how long: docs/benchmarks.rst)
     python benchmarks/sharded.py --paths dcp.save sharded consolidated "sharded async" "consolidated async" memcpy
     python benchmarks/sharded.py --kinds fsdp2 --targets tmpfs --world-sizes 2 --params 25e6 --runs 15
 
