@@ -13,8 +13,8 @@ Each size is saved once by ``ShardedSaver`` on 2 gloo ranks (FSDP2, each layer a
   with ``write`` and fsync.
 
 The table gives each path's median seconds, its ratio to the floor's, and the peak resident memory of the process
-(``ru_maxrss``; the page cache is not counted). Set ``IGNITE_ZERO_BENCH_DIR`` to write elsewhere than the temporary
-directory.
+(``ru_maxrss``; the page cache is not counted). ``--plot PATH`` also draws both as a PNG. Set
+``IGNITE_ZERO_BENCH_DIR`` to write elsewhere than the temporary directory.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from _common import fsdp2_adam_after_one_step, launch, scratch_directory
+from _plot import Panel, add_plot_option, seconds_panel, write_chart
 from ignite.engine import Engine
 
 from ignite_zero import Checkpoint, ShardedSaver
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     options.add_argument("--layers", type=int, nargs="+", default=[24], help="Linear(4096, 4096) layers")
     options.add_argument("--runs", type=int, default=3, help="rounds of both paths")
     options.add_argument("--raw", nargs=2, type=Path, metavar=("DIR", "FILE"), help="only the raw path, once")
+    add_plot_option(options)
     args = options.parse_args(argv)
     if args.raw:
         _raw(*args.raw)
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     root = scratch_directory() / "ignite_zero-cli-consolidate"
     print("| state | consolidate s | raw read + write s | x raw | consolidate peak RSS | raw peak RSS |")
     print("|---|---|---|---|---|---|")
+    runs: dict[str, dict[str, list[float]]] = {}  # by state, by path: seconds of each round
+    peak_memory: dict[str, dict[str, float]] = {}  # by state, by path: GB
     for layers in args.layers:
         shutil.rmtree(root, ignore_errors=True)
         launch(_save, 2, layers, root / "ckpt")
@@ -84,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
                 elapsed, peak = _measured(paths[name])
                 seconds[name].append(elapsed)
                 peaks[name] = max(peaks.get(name, 0), peak)
+        group = f"{size / 1e9:.2f} GB"
+        runs[group] = seconds
+        peak_memory[group] = {name: peak / 1e9 for name, peak in peaks.items()}
         ours, raw = statistics.median(seconds["consolidate"]), statistics.median(seconds["raw"])
         print(
             f"| {size / 1e9:.2f} GB ({layers} layers) | {ours:.1f} | {raw:.1f} | {ours / raw:.2f} | "
@@ -91,6 +98,9 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     shutil.rmtree(root, ignore_errors=True)
+    if args.plot:
+        panels = [seconds_panel("seconds (median, min-max)", runs), Panel("peak resident memory", "GB", peak_memory)]
+        write_chart(args.plot, "ignite-zero consolidate against a raw read and write", panels)
 
 
 def _measured(command: list[str]) -> tuple[float, int]:
