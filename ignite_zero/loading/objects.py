@@ -9,9 +9,10 @@ When ``to_load`` holds sharded objects and several ranks run, loading is a colle
 agreement (:func:`ignite_zero.agreement.together`):
 
 1. Every rank says whether it sees the file (and which: size and integrity trailer), and what part of each
-   sharded entry it needs (:meth:`ShardedState.part_needed`); the ranks' hosts are known after it
-   (:func:`ignite_zero.agreement.hosts_of_ranks`).
-2. Ranks that see the file read its structure, checked: the entries, their tensors still to be read
+   sharded entry it needs (:meth:`ShardedState.part_needed`).
+2. Every rank learns each rank's host (:func:`ignite_zero.agreement.hosts_of_ranks`: a round of its own the first
+   time a process asks, remembered after), to pick one rank per host that verifies. Ranks that see the file read its
+   structure, checked: the entries, their tensors still to be read
    (:mod:`ignite_zero.adapters.deferred`). The first rank that sees it, where some rank does not (a private or
    node-local directory), verifies it whole, maps it with ``mmap`` and sends every rank that does not see it only
    the part it asked for. Every rank then checks its entries (reading the small ones of per-rank state), and

@@ -18,8 +18,9 @@
 ``trust``              what a checkpoint's pickles may build unless its user vouches for it
 =====================  =======================================================================================
 
-:func:`format_for` picks the reader of a checkpoint by what is stored under its name; outside this package, only
-the mapping of objects to entries (:mod:`ignite_zero.loading.entries`) asks which format it holds.
+:func:`format_for` picks the reader of a checkpoint by what is stored under its name; outside this package, two
+callers ask which format it holds: the mapping of objects to entries (:mod:`ignite_zero.loading.entries`), and the
+command line's ``consolidate`` (:mod:`ignite_zero.cli`), which takes a sharded directory only.
 """
 
 from __future__ import annotations
