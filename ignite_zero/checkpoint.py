@@ -40,10 +40,11 @@ from ignite_zero.agreement import (
 )
 from ignite_zero.loading.latest import find_latest
 from ignite_zero.loading.objects import restore
-from ignite_zero.loading.resume import listed_on_every_rank, retention_until
+from ignite_zero.loading.resume import checked_and_listed, retention_until
 from ignite_zero.naming import check_filename, read_name
 from ignite_zero.save_ranks import check_entry_names, entry_names, resolve_recipient, sharing_ranks
 from ignite_zero.storage import Saver, SaveRequest, as_saver, replicas, saver_for
+from ignite_zero.storage.places import place_of
 from ignite_zero.storage.savers.background import BackgroundSaves
 
 __all__ = ["Checkpoint", "ModelCheckpoint"]
@@ -425,6 +426,14 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         checkpoints this handler would have kept, so that ``n_saved`` and ``last_checkpoint`` carry on from there.
         Call it on every rank.
 
+        A directory whose checkpoints it searched and resumed from is this run's: the saver's ``require_empty`` no
+        longer refuses it. It still guards a run that found nothing to resume, and a directory left out of
+        ``places``. What would make the handler's first save fail then fails here, on every rank, before anything
+        is loaded: a directory holding other checkpoints (another run's, or this one's under another
+        ``filename_prefix``), one that cannot be created or written, a missing bucket. A checkpoint of the other
+        kind in the handler's directory (a run that changed savers) is resumed as another tier's, which the
+        handler's retention leaves be.
+
         Args:
             to_load: objects to restore, as for :meth:`load_objects`.
             places: directories (paths or URLs) to search together instead of this handler's own, e.g. a fast
@@ -434,6 +443,10 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
 
         Returns:
             The path it loaded, ``None`` (and nothing loaded) when there is no valid checkpoint.
+
+        Raises:
+            ~ignite_zero.RankFailureError: on every rank, when the saver's directory would fail the next save, with
+                the reason and how load_latest left the directory (without a process group, the saver's own error).
 
         Examples:
             .. code-block:: python
@@ -464,6 +477,15 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         """
         options = self.saver.storage_options if places is None else kwargs.get("storage_options")
         found = self._find_latest(places, options)
+        name = "" if found is None else Path(found).name
+        # one of another kind there (the run changed savers) is resumed as another tier's: retention leaves it be
+        own = found is not None and str(self.saver.location(name)) == found and name.endswith(f".{self.ext}")
+        searched_own = places is None or str(self.saver.directory) in {
+            str(place_of(place, options).location()) for place in places
+        }
+        if found is not None and searched_own:  # its checkpoints there are this run's, whichever tier is newest
+            self.saver.allow_existing_checkpoints()
+        listed = checked_and_listed(self.saver, self.sync_timeout, context=self._resume_context(found, searched_own))
         if found is None:
             return None
         kwargs.setdefault("sync_timeout", self.sync_timeout)
@@ -471,11 +493,23 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         # a replicated checkpoint's files that this host lacks, fetched even where the load itself is local
         replicas.repair_before_load(found, options, self.sync_timeout)
         type(self).load_objects(to_load=to_load, checkpoint=found, **kwargs)
-        name = Path(found).name
-        own = str(self.saver.location(name)) == found
-        listed = listed_on_every_rank(self.saver, self.sync_timeout)
         self._retain(retention_until(name, listed, own=own, priority_in=self._priority_in, n_saved=self.n_saved))
         return found
+
+    def _resume_context(self, found: str | None, searched_own: bool) -> str:
+        """How :meth:`load_latest` left this handler's directory, for an error of its saver's check."""
+        if found is not None and searched_own:
+            return f"load_latest resumes {found}, but this handler cannot save after it"
+        if found is not None:
+            return (
+                f"load_latest resumes {found}, and this handler's own directory, {self.saver.directory}, is not among "
+                "`places`: its saves start afresh there (add it to `places` if its checkpoints are this run's)"
+            )
+        prefix = self.filename_prefix and f" (it looks for names that start with '{self.filename_prefix}_')"
+        return (
+            f"load_latest found no checkpoint of this handler to resume{prefix}, so its saves start afresh (if the "
+            "checkpoints there are this run's, give the handler the `filename_prefix` they were saved with)"
+        )
 
     def _find_latest(self, places: Sequence[str | Path] | None, options: Mapping[str, Any] | None) -> str | None:
         """:func:`~ignite_zero.find_latest` in ``places``, else in this handler's directory, once its own save in

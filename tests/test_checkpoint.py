@@ -14,7 +14,7 @@ from ignite.handlers import global_step_from_engine
 from ignite.handlers.checkpoint import CheckpointEvents
 from training import assert_state_equal, tiny_model, train_step
 
-from ignite_zero import Checkpoint, DiskSaver, ModelCheckpoint
+from ignite_zero import Checkpoint, DiskSaver, ModelCheckpoint, ShardedSaver
 
 SCORES = [0.5, 0.7, 0.6, 0.7, 0.9, 0.1]
 
@@ -178,3 +178,20 @@ def test_load_objects_of_a_dictionary_and_of_a_single_object_file(tmp_path):
     other = tiny_model(seed=4)
     Checkpoint.load_objects({"model": other}, {"model": model.state_dict()})
     assert_state_equal(other.state_dict(), model.state_dict())
+
+
+def test_load_latest_resumes_a_checkpoint_of_another_kind_and_leaves_it_to_its_saver(tmp_path):
+    """A run that changed savers (files, then sharded directories) resumes from the other kind's checkpoint as from
+    another tier's: its retention neither counts nor removes it."""
+    model, optimizer, trainer = _training()
+    trainer.run(range(3), max_epochs=1)
+    Checkpoint({"model": model}, DiskSaver(tmp_path))(trainer)
+    fresh = tiny_model(seed=3)
+    sharded = Checkpoint({"model": fresh}, ShardedSaver(tmp_path))
+    assert sharded.load_latest({"model": fresh}) == str(tmp_path / "model_3.pt")
+    assert_state_equal(fresh.state_dict(), model.state_dict())
+    assert sharded.last_checkpoint is None
+    trainer.state.iteration = 5
+    sharded(trainer)
+    assert sharded.last_checkpoint == tmp_path / "model_5.dcp"
+    assert sorted(os.listdir(tmp_path)) == ["model_3.pt", "model_5.dcp"]

@@ -1,5 +1,5 @@
-"""Where a resumed :class:`~ignite_zero.Checkpoint` carries on: the checkpoints it keeps once the newest valid one
-is loaded."""
+"""Where a resumed :class:`~ignite_zero.Checkpoint` carries on: whether its saver can go on saving where it resumed,
+and the checkpoints it keeps once the newest valid one is loaded."""
 
 from __future__ import annotations
 
@@ -9,17 +9,40 @@ from ignite_zero.agreement import settle
 from ignite_zero.naming import global_step_of
 from ignite_zero.storage import Saver
 
-__all__ = ["listed_on_every_rank", "retention_until"]
+__all__ = ["checked_and_listed", "retention_until"]
 
 
-def listed_on_every_rank(saver: Saver, timeout: float) -> list[str]:
-    """Every name that any rank lists in ``saver``'s directory, sorted; a collective.
+def checked_and_listed(saver: Saver, timeout: float, *, context: str) -> list[str]:
+    """What would make ``saver``'s next save fail, raised now on every rank (its :meth:`~Saver.check`, the message
+    led by ``context``: how the resume left its directory), else every name that any rank lists in its directory,
+    sorted; a collective.
 
     Node-local directories differ (a replaced host's is nearly empty), and retention taken from one of them alone
     would never remove the older checkpoints that only the others hold.
+
+    Raises:
+        RankFailureError: the check failed on some rank (without a process group, its own error, in context).
     """
-    listings = settle(None, what="listing of the checkpoints", timeout=timeout, payload=saver.list())
+    failure: BaseException | None = None
+    listing: list[str] = []
+    try:
+        saver.check()
+        listing = saver.list()
+    except Exception as error:
+        failure = _in_context(error, context)
+    listings = settle(failure, what="check of the saver before resuming", timeout=timeout, payload=listing)
     return sorted({listed for listing in listings for listed in listing})
+
+
+def _in_context(error: Exception, context: str) -> BaseException:
+    """``error`` of the same type, its message led by ``context``; ``error`` itself where its type takes other
+    arguments."""
+    try:
+        placed = type(error)(f"{context}: {error}")
+    except Exception:  # a type that cannot be built from a message alone keeps its own
+        return error
+    placed.__cause__ = error
+    return placed
 
 
 def retention_until(

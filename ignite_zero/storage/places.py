@@ -113,6 +113,10 @@ class Place(ABC):
     def make(self) -> None:
         """Create the directory with its parents; on an object store, check that the bucket is there."""
 
+    def writable(self) -> bool:
+        """Whether this process may create entries here; an object store tells only at the first write."""
+        return True
+
     @abstractmethod
     def entries(self) -> dict[str, bool]:
         """The names directly inside, each mapped to whether it is a directory; empty if there is none."""
@@ -226,6 +230,10 @@ class LocalPlace(Place):
 
     def make(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
+
+    def writable(self) -> bool:
+        # access() also answers for root: a read-only mount or an immutable directory refuses even root
+        return os.access(self.path, os.W_OK | os.X_OK)
 
     def entries(self) -> dict[str, bool]:
         if not self.path.is_dir():

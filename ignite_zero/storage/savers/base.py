@@ -88,6 +88,11 @@ class Saver(BaseSaveHandler):
         a failure on every rank at once, instead of this rank alone failing while the others wait for it.
         """
 
+    def allow_existing_checkpoints(self) -> None:  # noqa: B027 (an optional hook: most savers refuse nothing)
+        """Save from now on even where checkpoints are present already; called by
+        :meth:`~ignite_zero.Checkpoint.load_latest` once it resumes from this saver's directory, whose checkpoints
+        are then the run's own."""
+
     @property
     def identity(self) -> str:
         """What tells this saver's checkpoints apart from another saver's, the same on every rank."""

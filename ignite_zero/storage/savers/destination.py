@@ -89,8 +89,14 @@ class DirectorySaver(Saver):
         return rank_and_world()[0] == self.save_on_rank
 
     def check(self) -> None:
-        """On the writer: the directory exists (or is created), its bucket too, and ``require_empty`` holds."""
+        """On the writer: the directory exists (or is created), its bucket too, it is writable, and
+        ``require_empty`` holds."""
         self._prepare()
+
+    def allow_existing_checkpoints(self) -> None:
+        """Let saves go into a directory that holds checkpoints already: ``require_empty`` guards a fresh run against
+        another run's checkpoints, and a resumed run's own are no reason to refuse."""
+        self._require_empty = False
 
     def _prepare_now(self) -> None:
         """The writer's check of its directory when the saver is made, as ignite's ``DiskSaver`` makes it.
@@ -104,7 +110,12 @@ class DirectorySaver(Saver):
         except Exception as error:
             if rank_and_world()[1] == 1:
                 raise
-            logger.error("%s (rank %d; every rank raises it at the first save)", error, rank_and_world()[0])
+            logger.error(
+                "%s (rank %d; every rank raises it at the first save, or at `load_latest`, which allows a directory "
+                "whose checkpoints it resumes)",
+                error,
+                rank_and_world()[0],
+            )
 
     def _prepare(self) -> None:
         if self._prepared or not self.is_writer:
@@ -113,6 +124,12 @@ class DirectorySaver(Saver):
             self.place.make()
         elif not self.place.exists():
             raise ValueError(f"Directory path '{self.dirname}' is not found; create it or pass `create_dir=True`")
+        if not self.place.writable():
+            raise PermissionError(
+                errno.EACCES,
+                f"Directory {self.dirname} is not writable by this process (rank {rank_and_world()[0]}), which "
+                "writes the checkpoints: make it writable (its permissions, a read-only mount) or save elsewhere",
+            )
         if self._require_empty:
             matched = self.list()
             if matched:

@@ -54,7 +54,8 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
             False, write in place (for file systems without rename); the integrity trailer still exposes a
             partial file.
         create_dir: if True, create ``dirname`` when it does not exist.
-        require_empty: if True, raise when ``dirname`` already holds ``.pt`` files.
+        require_empty: if True, raise when ``dirname`` already holds ``.pt`` files,
+            unless :meth:`Checkpoint.load_latest <ignite_zero.Checkpoint.load_latest>` resumed from them.
         save_on_rank: the only rank that writes. ``None`` (default) lets
             :class:`~ignite_zero.Checkpoint` pick its ``consolidate_recipient_rank``; on its own, rank 0.
         kwargs: keyword arguments of :func:`torch.save`. ``pickle_protocol`` is honoured by the package's own

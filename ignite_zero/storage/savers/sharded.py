@@ -68,7 +68,8 @@ class ShardedSaver(DirectorySaver):
         dirname: directory in which checkpoint directories are written: a path, or an fsspec URL
             (``s3://bucket/run``).
         create_dir: if True, create ``dirname`` when it does not exist.
-        require_empty: if True, raise when ``dirname`` already holds ``.dcp`` checkpoints.
+        require_empty: if True, raise when ``dirname`` already holds ``.dcp`` checkpoints,
+            unless :meth:`Checkpoint.load_latest <ignite_zero.Checkpoint.load_latest>` resumed from them.
         save_on_rank: the rank that seals and removes checkpoints. ``None`` (default) lets
             :class:`~ignite_zero.Checkpoint` pick its ``consolidate_recipient_rank``; on its own, rank 0.
         thread_count: threads that write each rank's files.
