@@ -224,6 +224,17 @@ def parts(rank: int) -> dict[str, Any]:
     return _with_trainer({"net": _net()}, rank)
 
 
+def with_evaluator(rank: int) -> dict[str, Any]:
+    """As ``parts``, with an ``evaluator`` whose run sets the metric ``accuracy`` (higher each epoch of the trainer),
+    and its ``val_loader``."""
+    namespace = parts(rank)
+    evaluator = Engine(lambda *_: None)
+    trainer = namespace["trainer"]
+    evaluator.add_event_handler(Events.COMPLETED, lambda e: e.state.metrics.update(accuracy=trainer.state.epoch / 10))
+    namespace.update(evaluator=evaluator, val_loader=range(1))  # in place: the trainer trains this dict's model
+    return namespace
+
+
 def _saved(setup: Callable[[int], dict[str, Any]], dirname: str) -> Callable[[int], dict[str, Any]]:
     """``setup`` after one training step, saved as ``dirname/checkpoint_3.pt``, whose path is ``path``."""
 
@@ -347,6 +358,13 @@ def _loaded_into_plain(namespace: dict[str, Any], rank: int) -> None:
     assert len(namespace["optimizer"].state_dict()["state"]) == 4
 
 
+def _full_model_on_rank_0(namespace: dict[str, Any], rank: int) -> None:
+    """The best model's file holds every parameter at its full shape, and the training checkpoint loaded back."""
+    state = torch.load("best/best_model_2_val_accuracy=0.2000.pt", weights_only=True)
+    assert {name: value.shape for name, value in state.items()} == {k: v.shape for k, v in _net().state_dict().items()}
+    assert namespace["trainer"].state.iteration == 2
+
+
 def _not_stopped(namespace: dict[str, Any], rank: int) -> None:
     assert namespace["stop"].stopped_at is None and namespace["trainer"].state.epoch == 100
 
@@ -415,6 +433,16 @@ EXAMPLES: dict[str, Example] = {
     "docs/fsdp.rst: What is saved": Example(2, parts, ("ckpt/checkpoint_2.pt",)),
     "docs/zero.rst: ZeRO and OSS": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
     "docs/zero.rst: Consolidation": Example(2, zero, check=_global_zero_state),
+    "docs/zero.rst: With ignite's helpers": Example(
+        2,
+        with_evaluator,
+        (
+            "ckpt/training_checkpoint_2.pt",
+            "best/best_model_2_val_accuracy=0.2000.pt",
+            "best-gen/best_model_2_val_accuracy=0.2000.pt",
+        ),
+        _full_model_on_rank_0,
+    ),
     "docs/object-storage.rst: Object storage": Example(
         2, object_store, check=_in_the_bucket("run/checkpoint_2.pt", "sharded")
     ),
