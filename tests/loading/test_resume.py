@@ -142,3 +142,29 @@ def test_what_would_fail_at_the_first_save_after_a_resume_fails_at_load_latest(t
     assert "load_latest resumes" in outcomes["unwritable"][1]
     assert outcomes["tiers"] == (None, ""), outcomes["tiers"]
     assert own_listing == ["checkpoint_3.pt", "checkpoint_5.pt"]
+
+
+def _on_object_storage(rank, world_size, url, options):
+    """A run saving to a URL, then one resumed from it there, as a new process would; and a handler whose bucket is
+    missing, which load_latest refuses before its first save could."""
+    to_save, trainer = _states(rank)
+    first = Checkpoint(to_save, DiskSaver(url, storage_options=options), n_saved=2)
+    for step in (2, 4):
+        trainer.state.iteration = step
+        first(trainer)
+    resumed = Checkpoint(to_save, DiskSaver(url, storage_options=options), n_saved=2)
+    found = resumed.load_latest(to_save)
+    trainer.state.iteration = 6
+    resumed(trainer)
+    missing = Checkpoint(to_save, DiskSaver("s3://no-such-bucket/run", storage_options=options))
+    refused = attempt(lambda: missing.load_latest(to_save))
+    return found, resumed.saver.list(), str(resumed.last_checkpoint), refused[:2]
+
+
+def test_on_object_storage_a_resumed_handler_saves_and_a_missing_bucket_fails_at_load_latest(bucket, storage_options):
+    url = f"{bucket}/run"
+    for found, listed, last, refused in run_ranks(_on_object_storage, 2, url, storage_options):
+        assert found == f"{url}/checkpoint_4.pt"
+        assert listed == ["checkpoint_4.pt", "checkpoint_6.pt"] and last == f"{url}/checkpoint_6.pt"
+        assert refused[0] == "RankFailureError" and "Bucket 'no-such-bucket'" in refused[1]
+        assert "load_latest found no checkpoint of this handler to resume" in refused[1]

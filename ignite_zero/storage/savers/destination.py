@@ -111,8 +111,7 @@ class DirectorySaver(Saver):
             if rank_and_world()[1] == 1:
                 raise
             logger.error(
-                "%s (rank %d; every rank raises it at the first save, or at `load_latest`, which allows a directory "
-                "whose checkpoints it resumes)",
+                "%s (rank %d; raised on every rank by `load_latest` or the first save, if it holds then)",
                 error,
                 rank_and_world()[0],
             )
