@@ -89,9 +89,15 @@ class DirectorySaver(Saver):
         return rank_and_world()[0] == self.save_on_rank
 
     def check(self) -> None:
-        """On the writer: the directory exists (or is created), its bucket too, it is writable, and
-        ``require_empty`` holds."""
+        """On the writer: the directory exists (or is created), its bucket too, ``require_empty`` holds, and it is
+        writable (checked here only, not when the saver is made: a handler may load from a read-only directory)."""
         self._prepare()
+        if self.is_writer and not self.place.writable():
+            raise PermissionError(
+                errno.EACCES,
+                f"Directory {self.dirname} is not writable by this process (rank {rank_and_world()[0]}), which "
+                "writes the checkpoints: make it writable (its permissions, a read-only mount) or save elsewhere",
+            )
 
     def allow_existing_checkpoints(self) -> None:
         """Let saves go into a directory that holds checkpoints already: ``require_empty`` guards a fresh run against
@@ -123,12 +129,6 @@ class DirectorySaver(Saver):
             self.place.make()
         elif not self.place.exists():
             raise ValueError(f"Directory path '{self.dirname}' is not found; create it or pass `create_dir=True`")
-        if not self.place.writable():
-            raise PermissionError(
-                errno.EACCES,
-                f"Directory {self.dirname} is not writable by this process (rank {rank_and_world()[0]}), which "
-                "writes the checkpoints: make it writable (its permissions, a read-only mount) or save elsewhere",
-            )
         if self._require_empty:
             matched = self.list()
             if matched:
