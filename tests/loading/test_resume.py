@@ -161,6 +161,7 @@ def _on_object_storage(rank, world_size, url, options):
     return found, resumed.saver.list(), str(resumed.last_checkpoint), refused[:2]
 
 
+@pytest.mark.distributed
 def test_on_object_storage_a_resumed_handler_saves_and_a_missing_bucket_fails_at_load_latest(bucket, storage_options):
     url = f"{bucket}/run"
     for found, listed, last, refused in run_ranks(_on_object_storage, 2, url, storage_options):
