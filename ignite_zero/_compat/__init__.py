@@ -5,6 +5,7 @@ means editing that module alone:
 
 - :mod:`~ignite_zero._compat.torch_version`: the supported torch releases;
 - :mod:`~ignite_zero._compat.ignite_events`: ignite's checkpoint events;
+- :mod:`~ignite_zero._compat.ignite_engine`: the order of an ignite ``Engine``'s handlers;
 - :mod:`~ignite_zero._compat.process_groups`: the default process group's store;
 - :mod:`~ignite_zero._compat.sharded_optimizers`: ``ZeroRedundancyOptimizer`` and fairscale's ``OSS``;
 - :mod:`~ignite_zero._compat.serialization`: ``torch.save``'s archive and ``torch.load``'s offsets;
@@ -55,6 +56,7 @@ from ignite_zero._compat.fsdp1 import (
     fsdp1_shared_entries,
     is_fsdp_flattened,
 )
+from ignite_zero._compat.ignite_engine import add_first_event_handler
 from ignite_zero._compat.ignite_events import CheckpointEvents
 from ignite_zero._compat.modules import EXTRA_STATE_KEY, TORCH_WRAPPER_SEGMENTS, non_persistent_buffer_names
 from ignite_zero._compat.process_groups import default_store
@@ -90,6 +92,7 @@ __all__ = [
     "FlatParamEntry",
     "SavedStorage",
     "SharedParamEntry",
+    "add_first_event_handler",
     "check_fairscale_fsdp_layout",
     "check_fsdp1_layout",
     "consolidated_state_attribute",
