@@ -9,6 +9,9 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+from ignite.engine import Engine, Events
+
+from ignite_zero._compat import add_first_event_handler
 
 __all__ = ["RandomState"]
 
@@ -22,6 +25,14 @@ class RandomState:
     world size each rank is seeded from a digest of every saved state and its rank, the same way on every run, with
     a warning: the numbers then differ from an uninterrupted run, but stay distinct between ranks and reproducible.
 
+    Bound to the trainer, ``RandomState(trainer)``, a run resumed in the middle of an epoch draws exactly the
+    numbers of the uninterrupted run: the loaded state is applied again at the trainer's first
+    ``Events.GET_BATCH_STARTED`` after the load, before that event's other handlers. A resumed ignite run makes its
+    data iterator right after ``Events.EPOCH_STARTED``, and a ``DataLoader``'s iterator draws its base seed from torch's
+    generator when it is made; the uninterrupted run made that iterator before the state was saved, so without the
+    second application every number after the resume would be shifted. A run resumed at an epoch's end makes its
+    iterator at the same point as the uninterrupted run, and the state is not applied again.
+
     Covered: ``random``, ``numpy.random`` (the legacy global generator), torch's CPU generator, and the generator of
     every CUDA device once CUDA is initialised. Generators a program creates itself (``torch.Generator()``,
     ``numpy.random.default_rng()``) are its own to save.
@@ -31,11 +42,21 @@ class RandomState:
 
             from ignite_zero import Checkpoint, RandomState
 
-            to_save = {"model": model, "optimizer": optimizer, "trainer": trainer, "rng": RandomState()}
+            to_save = {"model": model, "optimizer": optimizer, "trainer": trainer, "rng": RandomState(trainer)}
             trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(to_save, "ckpt"))
+
+    Args:
+        trainer: the engine whose run is resumed, to apply the loaded state again at its first batch; ``None``
+            (the default) applies it once, when loaded.
 
     .. versionadded:: 0.1.0
     """
+
+    def __init__(self, trainer: Engine | None = None) -> None:
+        if trainer is not None and not isinstance(trainer, Engine):
+            raise TypeError(f"Argument `trainer` should be an ignite Engine or None, got {type(trainer).__name__}")
+        self.trainer = trainer
+        self._loaded: dict[str, Any] | None = None  # applied again at the trainer's first batch after a load
 
     def state_dict(self) -> dict[str, Any]:
         """The generators' states, in types that load with ``torch.load(..., weights_only=True)``."""
@@ -56,6 +77,10 @@ class RandomState:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._apply(state)
+        self._apply_again_at_first_batch()
+
+    def _apply(self, state: Mapping[str, Any]) -> None:
         random.setstate(_as_tuples(state["python"]))
         saved = state["numpy"]
         key = saved["key"].numpy().astype(np.uint32)
@@ -75,6 +100,21 @@ class RandomState:
         random.seed(seed)
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed % 2**63)  # CUDA devices too
+        self._apply_again_at_first_batch()
+
+    def _apply_again_at_first_batch(self) -> None:
+        if self.trainer is None:
+            return
+        self._loaded = self.state_dict()
+        if not self.trainer.has_event_handler(self._at_first_batch, Events.GET_BATCH_STARTED):
+            add_first_event_handler(self.trainer, Events.GET_BATCH_STARTED, self._at_first_batch)
+
+    def _at_first_batch(self, engine: Engine) -> None:
+        engine.remove_event_handler(self._at_first_batch, Events.GET_BATCH_STARTED)
+        loaded, self._loaded = self._loaded, None
+        epoch_length = engine.state.epoch_length
+        if loaded is not None and epoch_length and engine.state.iteration % epoch_length:
+            self._apply(loaded)
 
 
 def _as_tuples(value: Any) -> Any:

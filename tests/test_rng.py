@@ -1,0 +1,45 @@
+"""RandomState bound to the trainer: a run resumed mid-epoch draws the numbers of the uninterrupted run, whatever
+its new data iterator draws when it is made."""
+
+import pytest
+import torch
+from ignite.engine import Engine, Events
+from torch.utils.data import DataLoader
+
+from ignite_zero import RandomState
+
+
+def _draws(stop_at: int | None, saved: dict, with_handler: bool) -> list[float]:
+    """One process, a DataLoader of 10 batches an epoch, 2 epochs; each step, and with ``with_handler`` a handler of
+    ``GET_BATCH_STARTED`` added before the load, draw from torch's generator. With ``stop_at``, the trainer's and
+    the generators' states are put in ``saved`` at that iteration and the run stops; else the run resumes from
+    ``saved`` if it holds anything."""
+    torch.manual_seed(1)
+    draws: list[float] = []
+    trainer = Engine(lambda *_: draws.append(torch.rand(1).item()))
+    if with_handler:
+        trainer.add_event_handler(Events.GET_BATCH_STARTED, lambda: draws.append(torch.rand(1).item()))
+    generators = RandomState(trainer)
+    if stop_at is not None:
+
+        @trainer.on(Events.ITERATION_COMPLETED(once=stop_at))
+        def save_and_stop(engine: Engine) -> None:
+            saved.update(trainer=engine.state_dict(), rng=generators.state_dict())
+            engine.terminate()
+
+    elif saved:
+        trainer.load_state_dict(saved["trainer"])
+        generators.load_state_dict(saved["rng"])
+    trainer.run(DataLoader(range(20), batch_size=2), max_epochs=2)
+    return draws
+
+
+@pytest.mark.parametrize(("stop_at", "with_handler"), [(15, True), (15, False), (10, False)])
+def test_the_draws_after_a_resume_are_those_of_the_uninterrupted_run(stop_at, with_handler):
+    """Mid-epoch (15), with or without a handler of GET_BATCH_STARTED that draws (it runs after the state is applied
+    again), and at an epoch's end (10), where the data iterator is made at the same point as in the uninterrupted
+    run and the state is not applied again."""
+    uninterrupted = _draws(None, {}, with_handler)
+    saved: dict = {}
+    stopped = _draws(stop_at, saved, with_handler)
+    assert stopped + _draws(None, saved, with_handler) == uninterrupted
