@@ -15,6 +15,7 @@ from ignite_zero.exporting import export
 from ignite_zero.handlers import ConsolidateZeROHandler, SaveOnSignal
 from ignite_zero.loading.latest import find_latest
 from ignite_zero.rng import RandomState
+from ignite_zero.sampling import ResumableDistributedSampler
 from ignite_zero.storage import DiskSaver, ShardedSaver
 from ignite_zero.storage.formats.base import IntegrityError, UnsafeCheckpointError
 from ignite_zero.storage.formats.file_verification import verify_file
@@ -35,6 +36,7 @@ __all__ = [
     "PerRank",
     "RandomState",
     "RankFailureError",
+    "ResumableDistributedSampler",
     "SaveOnSignal",
     "ShardedSaver",
     "ShardedState",

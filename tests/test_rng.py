@@ -4,9 +4,23 @@ its new data iterator draws when it is made."""
 import pytest
 import torch
 from ignite.engine import Engine, Events
+from launcher import run_ranks
+from resuming import assert_resumed_as_uninterrupted, train
 from torch.utils.data import DataLoader
 
 from ignite_zero import RandomState
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_run_resumed_mid_epoch_with_a_stateful_dataloader_goes_on_bitwise_as_the_uninterrupted_one(tmp_path, workers):
+    """torchdata's StatefulDataLoader saved with PerRank, dropout in the model: the iterator made at the resume
+    draws a base seed from torch's generator, which the uninterrupted run drew before the save."""
+    daemon = workers == 0
+    uninterrupted = run_ranks(train, 2, tmp_path / "whole", "stateful", workers, daemon=daemon)
+    stopped = run_ranks(train, 2, tmp_path / "stopped", "stateful", workers, 15, daemon=daemon)
+    resumed = run_ranks(train, 2, tmp_path / "stopped", "stateful", workers, daemon=daemon)
+    assert_resumed_as_uninterrupted(stopped, resumed, uninterrupted)
 
 
 def _draws(stop_at: int | None, saved: dict, with_handler: bool) -> list[float]:

@@ -16,7 +16,8 @@ process group) and the setup that supplies the names the surrounding prose takes
 - ``fsdp``: the same with ``model`` in FSDP1 and its Adam;
 - ``object_store``: as ``zero``, with the ``endpoint``, ``key`` and ``secret`` of moto's S3 server on 127.0.0.1,
   whose bucket ``bucket`` the test creates empty;
-- a few additions named in their entry (a checkpoint saved beforehand, a ``sampler``, ``checkpoint``).
+- a few additions named in their entry (a checkpoint saved beforehand, a ``sampler``, ``checkpoint``, a
+  ``dataset``).
 
 One is listed and skipped with the reason: the example of ``FairscaleFSDPModelState`` needs GPUs and NCCL.
 
@@ -51,6 +52,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import TensorDataset
 from training import tiny_model, train_step, zero_adam
 
 import ignite_zero
@@ -269,6 +271,11 @@ def with_sampler(rank: int) -> dict[str, Any]:
     return namespace
 
 
+def with_dataset(rank: int) -> dict[str, Any]:
+    """As ``zero``, with a ``dataset`` of 256 samples for the snippet's data loader."""
+    return {**zero(rank), "dataset": TensorDataset(torch.randn(256, 7), torch.randn(256, 1))}
+
+
 def with_checkpoint(rank: int) -> dict[str, Any]:
     namespace = plain(rank)
     checkpoint = Checkpoint(namespace["to_save"], DiskSaver("ckpt", require_empty=False))
@@ -365,6 +372,10 @@ def _full_model_on_rank_0(namespace: dict[str, Any], rank: int) -> None:
     assert namespace["trainer"].state.iteration == 2
 
 
+def _ten_epochs_sampled(namespace: dict[str, Any], rank: int) -> None:
+    assert namespace["sampler"].state_dict() == {"epoch": 10, "position": 0, "dataset_size": 256}
+
+
 def _not_stopped(namespace: dict[str, Any], rank: int) -> None:
     assert namespace["stop"].stopped_at is None and namespace["trainer"].state.epoch == 100
 
@@ -406,6 +417,7 @@ EXAMPLES: dict[str, Example] = {
     "ignite_zero.loading.latest.find_latest": Example(2, _saved(zero, "ckpt"), check=_found_the_saved_file),
     "ignite_zero.exporting.export": Example(0, _saved(plain, "ckpt"), ("hf/model/model.safetensors",), _bf16_weights),
     "ignite_zero.rng.RandomState": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
+    "ignite_zero.sampling.ResumableDistributedSampler": Example(2, with_dataset, check=_ten_epochs_sampled),
     "ignite_zero.adapters.zero.ZeROState": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
     "ignite_zero.adapters.per_rank.PerRank": Example(2, with_sampler, ("ckpt/checkpoint_2.pt",)),
     "ignite_zero.adapters.fairscale_fsdp.is_fairscale_fsdp_module": Example(1, parts),

@@ -67,6 +67,7 @@ def run_ranks(
     timeout: float = 90.0,
     init: bool = True,
     killed: Collection[int] = (),
+    daemon: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks; return each rank's result.
 
@@ -77,6 +78,8 @@ def run_ranks(
         timeout: seconds before ranks still running are killed and the test fails.
         init: join the ranks in a gloo process group (False: independent processes, no process group).
         killed: ranks that must die by SIGKILL (fault injection); their result is ``None``.
+        daemon: False for ranks that start processes of their own (a data loader's workers), which Python forbids
+            to daemonic processes.
 
     Raises:
         AssertionError: a rank raised, died or hung unexpectedly; the message holds every rank's traceback.
@@ -85,7 +88,7 @@ def run_ranks(
     with tempfile.TemporaryDirectory(prefix="ignite_zero-ranks-") as tmp:
         workdir = Path(tmp)
         processes = [
-            context.Process(target=_entry, args=(rank, world_size, workdir, fn, args, init), daemon=True)
+            context.Process(target=_entry, args=(rank, world_size, workdir, fn, args, init), daemon=daemon)
             for rank in range(world_size)
         ]
         for process in processes:
