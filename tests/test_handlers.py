@@ -11,6 +11,7 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 from launcher import run_ranks
+from resuming import assert_resumed_as_uninterrupted, train
 from torch.nn.parallel import DistributedDataParallel
 from training import assert_state_equal, tiny_model, train_step, zero_adam
 
@@ -83,6 +84,17 @@ def test_a_signal_on_one_rank_saves_every_rank_at_the_same_iteration_and_the_run
         resumed_at, iterations, model_state = resumed[rank]
         assert resumed_at == 10 and iterations == list(range(11, EPOCH_LENGTH * MAX_EPOCHS + 1))
         assert_state_equal(model_state, uninterrupted[rank])  # bitwise: the same steps from the same state
+
+
+def test_a_run_stopped_mid_epoch_by_a_signal_resumes_at_the_next_batch_bitwise(tmp_path):
+    """SIGUSR1 on rank 1 after iteration 11, in the second epoch of 10: saved and stopped at 14 with a resumable
+    sampler and RandomState(trainer); the resumed run sees the batches and ends with the state of an uninterrupted
+    one, dropout included."""
+    uninterrupted = run_ranks(train, 2, tmp_path / "whole", "resumable")
+    stopped = run_ranks(train, 2, tmp_path / "stopped", "resumable", 0, None, 11)
+    assert [(rank["stopped_at"], rank["iteration"]) for rank in stopped] == [(14, 14)] * 2
+    resumed = run_ranks(train, 2, tmp_path / "stopped", "resumable")
+    assert_resumed_as_uninterrupted(stopped, resumed, uninterrupted)
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
