@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from training import assert_state_equal
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
@@ -160,24 +161,33 @@ def _port_of_a_slurm_job() -> tuple[str, int]:
     raise AssertionError("no free port in 16000-24999")
 
 
-def test_slurm_example_saves_on_usr1_stops_with_the_requeue_status_and_resumes(tmp_path):
+def _batches(*outputs: str) -> dict[tuple[str, str], str]:
+    """``(rank, iteration)``: the digest of the batch that rank trained on, from ``train.py --log-batches``."""
+    found = [re.findall(r"^rank (\d+) iteration (\d+): batch (\w+)$", output, re.MULTILINE) for output in outputs]
+    return {(rank, iteration): digest for lines in found for rank, iteration, digest in lines}
+
+
+def test_slurm_example_saves_on_usr1_mid_epoch_and_the_requeued_job_continues_at_the_next_batch(tmp_path):
     """What ``srun`` does, done here: the command of ``train.sbatch``'s srun line runs as 2 tasks with the variables
     SLURM gives them (``SLURM_PROCID``...), on one node named ``localhost``. SIGUSR1 to one task, as
-    ``--signal=USR1@90`` sends near the time limit: every rank saves at one iteration and exits with the status that
-    the script requeues on. Started again, as a requeued job is, the tasks resume from that checkpoint."""
+    ``--signal=USR1@90`` sends near the time limit, a few iterations into the second epoch: every rank saves at one
+    iteration and exits with the status that the script requeues on. Started again, as a requeued job is, the tasks
+    resume from that checkpoint at the next batch: they train on the batches of an uninterrupted run, and end with
+    its checkpoint, bitwise."""
     sbatch = EXAMPLES / "slurm" / "train.sbatch"
     assert {"#SBATCH --signal=USR1@90", "#SBATCH --requeue"} <= set(sbatch.read_text().splitlines())
     job, _ = _port_of_a_slurm_job()
     slurm = {"SLURM_JOB_ID": job, "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1"}
-    env = {**os.environ, **slurm, "BACKEND": "gloo", "CHECKPOINTS": str(tmp_path / "ckpt"), "GLOO_SOCKET_IFNAME": "lo"}
+    env = {**os.environ, **slurm, "BACKEND": "gloo", "GLOO_SOCKET_IFNAME": "lo"}
 
-    def tasks(epochs: int) -> list[subprocess.Popen]:
+    def tasks(epochs: int, checkpoints: Path) -> list[subprocess.Popen]:
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # `python` is this one
+        variables = {**env, "PATH": path, "EPOCHS": str(epochs), "CHECKPOINTS": str(checkpoints)}
         return [
             subprocess.Popen(
-                ["bash", "-c", _srun_command(sbatch)],
+                ["bash", "-c", _srun_command(sbatch) + " --log-batches"],
                 cwd=EXAMPLES.parent,
-                env={**env, "PATH": path, "EPOCHS": str(epochs), "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)},
+                env={**variables, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -185,23 +195,31 @@ def test_slurm_example_saves_on_usr1_stops_with_the_requeue_status_and_resumes(t
             for task in (0, 1)
         ]
 
-    started = tasks(epochs=1000)
+    started = tasks(epochs=1000, checkpoints=tmp_path / "ckpt")
+    read = []
     try:
-        for line in started[0].stdout:  # rank 0 trains: then the signal, to the other task
-            if line.startswith("epoch 1:"):
+        for line in started[0].stdout:  # rank 0 trains: then the signal, to the other task, in epoch 2
+            read.append(line)
+            if line.startswith("rank 0 iteration 70:"):
                 started[1].send_signal(signal.SIGUSR1)
                 break
-        outputs = [started[0].communicate(timeout=120)[0], started[1].communicate(timeout=120)[0]]
+        outputs = ["".join(read) + started[0].communicate(timeout=120)[0], started[1].communicate(timeout=120)[0]]
     finally:  # a signal that stopped nothing leaves 1000 epochs to run
         for task in started:
             task.kill()
     assert [task.returncode for task in started] == [3, 3], outputs
     saved = re.search(r"stopped by a signal: saved (\S+) at iteration (\d+), epoch (\d+)", outputs[0])
     assert saved and Path(saved[1]).name == f"checkpoint_{saved[2]}.pt", outputs[0]
+    assert saved[3] == "2" and int(saved[2]) % 64, saved[0]  # 64 iterations an epoch: stopped in the middle
 
-    resumed = _finish(*tasks(epochs=int(saved[3]) + 1))
+    resumed = _finish(*tasks(epochs=3, checkpoints=tmp_path / "ckpt"))
     assert f"resumed from {saved[1]} at iteration {saved[2]}" in resumed[0], resumed[0]
-    assert f"epoch {int(saved[3]) + 1}: loss" in resumed[0] and "stopped by a signal" not in resumed[0]
+    assert "epoch 3: loss" in resumed[0] and "stopped by a signal" not in resumed[0]
+    uninterrupted = _finish(*tasks(epochs=3, checkpoints=tmp_path / "whole"))
+    assert _batches(*outputs, *resumed) == _batches(*uninterrupted)
+    assert len(_batches(*uninterrupted)) == 2 * 3 * 64
+    last = torch.load(tmp_path / "ckpt" / "checkpoint_192.pt", weights_only=True)
+    assert_state_equal(last, torch.load(tmp_path / "whole" / "checkpoint_192.pt", weights_only=True))
 
 
 def test_object_storage_example_saves_and_loads_both_modes(bucket, free_port):
