@@ -462,6 +462,7 @@ EXAMPLES: dict[str, Example] = {
         0, _saved(plain, "ckpt"), ("hf/model/model.safetensors",), _exported_bf16
     ),
     "docs/long-runs.rst: Resume from the newest valid checkpoint": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
+    "docs/long-runs.rst: Resume in the middle of an epoch": Example(2, with_dataset, check=_ten_epochs_sampled),
     "docs/long-runs.rst: Saving on a signal": Example(0, with_checkpoint, check=_not_stopped),
 }
 
