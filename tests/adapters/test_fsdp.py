@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_states import assert_states, full_optimizer_state, gather_fsdp_state, train_same_batches
 from launcher import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -141,58 +142,13 @@ def _two_groups(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam([{"params": decayed, "weight_decay": 0.1}, {"params": rest, "lr": 5e-3}], lr=1e-2)
 
 
-def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, tokens: bool = False) -> None:
-    for step in steps:  # the same batch on every rank
-        generator = torch.Generator().manual_seed(1000 + step)
-        x = torch.randint(0, 11, (4, 3), generator=generator) if tokens else torch.randn(4, 7, generator=generator)
-        model(x).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
-def _full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """A plain optimizer's state keyed by parameter names, as FSDPOptimizerState saves it."""
-    name_of = {id(p): name for name, p in model.named_parameters()}
-    names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]  # the indices' order
-    state = optimizer.state_dict()
-    return {
-        "state": {names[i]: value for i, value in state["state"].items()},
-        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
-    }
-
-
 @functools.cache
 def _twin_state(steps: int, make_optimizer: Any = _adam) -> dict[str, Any]:
     torch.manual_seed(0)
     twin = Net()
     optimizer = make_optimizer(twin)
-    _train(twin, optimizer, range(steps))
-    return {"model": twin.state_dict(), "optimizer": _full_optimizer_state(twin, optimizer)}
-
-
-def _assert_states(actual: dict[str, Any], expected: dict[str, Any], exact: bool, bf16: bool = False) -> None:
-    """Model: same names in the same order; optimizer: same state per name, same groups (names in any order)."""
-    assert list(actual["model"]) == list(expected["model"])
-    if exact:
-        assert_state_equal(dict(actual["model"]), dict(expected["model"]))
-        state, expected_state = actual["optimizer"]["state"], expected["optimizer"]["state"]
-        assert_state_equal(dict(sorted(state.items())), dict(sorted(expected_state.items())))
-    else:
-        tolerance = {"atol": 2e-2, "rtol": 2e-2} if bf16 else {"atol": 1e-5, "rtol": 1e-4}
-        torch.testing.assert_close(dict(actual["model"]), dict(expected["model"]), **tolerance)
-        torch.testing.assert_close(
-            dict(actual["optimizer"]["state"]), dict(expected["optimizer"]["state"]), **tolerance
-        )
-    groups, expected_groups = actual["optimizer"]["param_groups"], expected["optimizer"]["param_groups"]
-    assert [sorted(g["params"]) for g in groups] == [sorted(g["params"]) for g in expected_groups]
-    assert [{**g, "params": None} for g in groups] == [{**g, "params": None} for g in expected_groups]
-
-
-def _gather(model: nn.Module, optimizer: torch.optim.Optimizer, recipient: int) -> dict[str, Any]:
-    return {
-        "model": FSDPModelState(model, recipient).state_dict(),
-        "optimizer": FSDPOptimizerState(model, optimizer, recipient).state_dict(),
-    }
+    train_same_batches(twin, optimizer, range(steps))
+    return {"model": twin.state_dict(), "optimizer": full_optimizer_state(twin, optimizer)}
 
 
 def _load(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: dict[str, Any]) -> None:
@@ -225,22 +181,22 @@ def _save_and_resume(rank: int, world_size: int, directory: Path, recipient: int
             assert fresh["meta._extra_state"] == {"version": 1}
         else:
             assert fresh == {}
-        _train(model, optimizer, SAVE_STEPS)
-        saved = _gather(model, optimizer, recipient)
+        train_same_batches(model, optimizer, SAVE_STEPS)
+        saved = gather_fsdp_state(model, optimizer, recipient)
         path = directory / f"{setup}_{world_size}.pt"
         if rank == recipient:
-            _assert_states(saved, _twin_state(len(SAVE_STEPS)), exact=False, bf16=bf16)
+            assert_states(saved, _twin_state(len(SAVE_STEPS)), exact=False, bf16=bf16)
             torch.save(saved, path)
-        _train(model, optimizer, MORE_STEPS)
-        uninterrupted = _gather(model, optimizer, recipient)
+        train_same_batches(model, optimizer, MORE_STEPS)
+        uninterrupted = gather_fsdp_state(model, optimizer, recipient)
         dist.barrier()
         resumed = _resume(setup, path, recipient)
         if rank == recipient:
-            _assert_states(resumed, uninterrupted, exact=True)
+            assert_states(resumed, uninterrupted, exact=True)
         if load_from is not None:
             resumed = _resume(setup, directory / f"{setup}_{load_from}.pt", recipient)
             if rank == recipient:
-                _assert_states(resumed, _twin_state(len(SAVE_STEPS) + len(MORE_STEPS)), exact=False, bf16=bf16)
+                assert_states(resumed, _twin_state(len(SAVE_STEPS) + len(MORE_STEPS)), exact=False, bf16=bf16)
 
 
 def _resume(setup: str, path: Path, recipient: int) -> dict[str, Any]:
@@ -251,11 +207,11 @@ def _resume(setup: str, path: Path, recipient: int) -> dict[str, Any]:
     optimizer = _adam(model)
     checkpoint = torch.load(path, mmap=True, weights_only=True)
     _load(model, optimizer, checkpoint)
-    again = _gather(model, optimizer, recipient)
+    again = gather_fsdp_state(model, optimizer, recipient)
     if dist.get_rank() == recipient:
-        _assert_states(again, checkpoint, exact=True)
-    _train(model, optimizer, MORE_STEPS)
-    return _gather(model, optimizer, recipient)
+        assert_states(again, checkpoint, exact=True)
+    train_same_batches(model, optimizer, MORE_STEPS)
+    return gather_fsdp_state(model, optimizer, recipient)
 
 
 def _resume_from(rank: int, world_size: int, directory: Path, saved_on: int, kinds: dict[str, str]) -> None:
@@ -264,7 +220,7 @@ def _resume_from(rank: int, world_size: int, directory: Path, saved_on: int, kin
         resumed = _resume(setup, directory / f"{saved_from}_{saved_on}.pt", 0)
         if rank == 0:
             bf16 = "bf16" in setup or "bf16" in saved_from
-            _assert_states(resumed, _twin_state(len(SAVE_STEPS) + len(MORE_STEPS)), exact=False, bf16=bf16)
+            assert_states(resumed, _twin_state(len(SAVE_STEPS) + len(MORE_STEPS)), exact=False, bf16=bf16)
 
 
 @pytest.fixture(scope="module")
@@ -310,9 +266,9 @@ def test_into_plain_module_without_process_group(saved_on_2_and_3: Path, saved_o
         checkpoint = torch.load(saved_on_2_and_3 / f"{setup}_{saved_on}.pt", mmap=True, weights_only=True)
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(full_optimizer_state_to_plain(model, optimizer, checkpoint["optimizer"]))
-        _train(model, optimizer, MORE_STEPS)
-        actual = {"model": model.state_dict(), "optimizer": _full_optimizer_state(model, optimizer)}
-        _assert_states(actual, expected, exact=False, bf16="bf16" in setup)
+        train_same_batches(model, optimizer, MORE_STEPS)
+        actual = {"model": model.state_dict(), "optimizer": full_optimizer_state(model, optimizer)}
+        assert_states(actual, expected, exact=False, bf16="bf16" in setup)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -336,19 +292,19 @@ def _against_twin(
     fresh = FSDPOptimizerState(model, optimizer, 1).state_dict()
     assert not optimizer.state  # torch's get_optimizer_state_dict would run a fake step here
     assert fresh["state"] == {} if rank == 1 else fresh == {}
-    _train(model, optimizer, range(2), tokens)
-    _train(twin, twin_optimizer, range(2), tokens)
-    expected = {"model": twin.state_dict(), "optimizer": _full_optimizer_state(twin, twin_optimizer)}
-    saved = _gather(model, optimizer, 1)
+    train_same_batches(model, optimizer, range(2), tokens)
+    train_same_batches(twin, twin_optimizer, range(2), tokens)
+    expected = {"model": twin.state_dict(), "optimizer": full_optimizer_state(twin, twin_optimizer)}
+    saved = gather_fsdp_state(model, optimizer, 1)
     if rank == 1:
-        _assert_states(saved, expected, exact=False)
+        assert_states(saved, expected, exact=False)
     torch.manual_seed(7)
     model = shard(build())
     optimizer = make_optimizer(model)
     _load(model, optimizer, expected)
-    again = _gather(model, optimizer, 0)
+    again = gather_fsdp_state(model, optimizer, 0)
     if rank == 0:
-        _assert_states(again, expected, exact=True)
+        assert_states(again, expected, exact=True)
     return saved
 
 
@@ -419,11 +375,11 @@ def _only_read(rank: int, world_size: int, path: Path) -> None:
         torch.manual_seed(3)
         model = _wrap(Net(), setup)
         optimizer = _adam(model)
-        _train(model, optimizer, range(1))  # existing state is reused
+        train_same_batches(model, optimizer, range(1))  # existing state is reused
         _load(model, optimizer, checkpoint)
         _load(model, optimizer, checkpoint)  # twice: the first load's tensors are reused
         assert not _storages(optimizer.state_dict()["state"]) & _storages(checkpoint)
-        _train(model, optimizer, range(2))
+        train_same_batches(model, optimizer, range(2))
         assert_state_equal(checkpoint, before)
         assert {id(v) for v in checkpoint["model"].values()} == tensors
 
@@ -557,7 +513,7 @@ def _prepared_loads(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _wrap(Net(), "fsdp2")
     optimizer = _adam(model)
-    _train(model, optimizer, range(1))
+    train_same_batches(model, optimizer, range(1))
 
     def local() -> Any:  # this rank's shards and optimizer state, copied
         return copy.deepcopy(({n: p.detach().to_local() for n, p in model.named_parameters()}, optimizer.state_dict()))
@@ -572,9 +528,9 @@ def _prepared_loads(rank: int, world_size: int) -> None:
     assert_state_equal(local(), before)  # checked and planned: nothing changed yet
     for load in loads:
         load()
-    loaded = _gather(model, optimizer, 0)
+    loaded = gather_fsdp_state(model, optimizer, 0)
     if rank == 0:
-        _assert_states(loaded, expected, exact=True)
+        assert_states(loaded, expected, exact=True)
 
 
 @pytest.mark.distributed
@@ -593,8 +549,8 @@ def test_plain_optimizer_from_full_state_without_process_group() -> None:
     plain = full_optimizer_state_to_plain(model, optimizer, expected["optimizer"])
     optimizer.load_state_dict(plain)
     assert not _storages(optimizer.state_dict()) & _storages(expected)
-    assert_state_equal(_full_optimizer_state(model, optimizer), expected["optimizer"])
-    _train(model, optimizer, range(2))
+    assert_state_equal(full_optimizer_state(model, optimizer), expected["optimizer"])
+    train_same_batches(model, optimizer, range(2))
     assert_state_equal(expected, before)
 
     with pytest.raises(ValueError, match="by index"):

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_states import assert_states, full_optimizer_state, gather_fsdp_state, train_same_batches
 from ignite.engine import Engine
 from launcher import run_ranks
-from test_fsdp import _assert_states, _full_optimizer_state, _gather, _train
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import init_device_mesh
@@ -130,8 +130,8 @@ def _twin(steps: int) -> dict[str, Any]:
     torch.manual_seed(0)
     twin = LayoutNet()
     optimizer = _adam(twin)
-    _train(twin, optimizer, range(steps), tokens=True)
-    return {"model": twin.state_dict(), "optimizer": _full_optimizer_state(twin, optimizer)}
+    train_same_batches(twin, optimizer, range(steps), tokens=True)
+    return {"model": twin.state_dict(), "optimizer": full_optimizer_state(twin, optimizer)}
 
 
 def _build(layout: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -171,27 +171,27 @@ def _load(layout: str, path: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
 def _save_layout(rank: int, layout: str, directory: Path, recipient: int) -> None:
     """Train next to the twin and save both modes; resume from each on the same layout, bitwise."""
     model, optimizer = _build(layout, seed=0)
-    _train(model, optimizer, SAVE_STEPS, tokens=True)
-    saved = _gather(model, optimizer, recipient)
+    train_same_batches(model, optimizer, SAVE_STEPS, tokens=True)
+    saved = gather_fsdp_state(model, optimizer, recipient)
     if rank == recipient:
-        _assert_states(saved, _twin(len(SAVE_STEPS)), exact=False)
+        assert_states(saved, _twin(len(SAVE_STEPS)), exact=False)
         assert saved["model"]["out.weight"] is saved["model"]["emb.weight"]  # tied: one tensor
     _save(model, optimizer, directory / layout, recipient, background=True)
     if rank == recipient:
-        _assert_states(torch.load(_path(directory, layout, "pt"), weights_only=True), saved, exact=True)
+        assert_states(torch.load(_path(directory, layout, "pt"), weights_only=True), saved, exact=True)
         in_background = torch.load(directory / layout / "async" / "checkpoint_1.pt", weights_only=True)
-        _assert_states(in_background, saved, exact=True)
+        assert_states(in_background, saved, exact=True)
         _assert_written_once(_path(directory, layout, "dcp"))
-    _train(model, optimizer, MORE_STEPS, tokens=True)
-    uninterrupted = _gather(model, optimizer, recipient)
+    train_same_batches(model, optimizer, MORE_STEPS, tokens=True)
+    uninterrupted = gather_fsdp_state(model, optimizer, recipient)
     for mode in MODES:
         resumed, resumed_optimizer = _load(layout, _path(directory, layout, mode))
-        again = _gather(resumed, resumed_optimizer, recipient)
-        _train(resumed, resumed_optimizer, MORE_STEPS, tokens=True)
-        after = _gather(resumed, resumed_optimizer, recipient)
+        again = gather_fsdp_state(resumed, resumed_optimizer, recipient)
+        train_same_batches(resumed, resumed_optimizer, MORE_STEPS, tokens=True)
+        after = gather_fsdp_state(resumed, resumed_optimizer, recipient)
         if rank == recipient:
-            _assert_states(again, saved, exact=True)
-            _assert_states(after, uninterrupted, exact=True)
+            assert_states(again, saved, exact=True)
+            assert_states(after, uninterrupted, exact=True)
 
 
 def _assert_written_once(directory: Path) -> None:
@@ -206,10 +206,10 @@ def _resume_across(rank: int, target: str, directory: Path, source: str) -> None
     """Load ``source``'s checkpoints (both modes) into ``target``, train on: close to the twin."""
     for mode in MODES:
         model, optimizer = _load(target, _path(directory, source, mode))
-        _train(model, optimizer, MORE_STEPS, tokens=True)
-        resumed = _gather(model, optimizer, 0)
+        train_same_batches(model, optimizer, MORE_STEPS, tokens=True)
+        resumed = gather_fsdp_state(model, optimizer, 0)
         if rank == 0:
-            _assert_states(resumed, _twin(len(SAVE_STEPS) + len(MORE_STEPS)), exact=False)
+            assert_states(resumed, _twin(len(SAVE_STEPS) + len(MORE_STEPS)), exact=False)
 
 
 def _on_4_ranks(rank: int, world_size: int, directory: Path) -> None:
@@ -250,7 +250,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     model = LayoutNet()
     optimizer = _adam(model)
-    _train(model, optimizer, SAVE_STEPS, tokens=True)
+    train_same_batches(model, optimizer, SAVE_STEPS, tokens=True)
     _save(model, optimizer, directory / "plain", 0)
     run_ranks(_on_2_ranks, 2, directory, "save")
     run_ranks(_on_4_ranks, 4, directory, timeout=240)
@@ -275,9 +275,9 @@ def test_2d_layouts_load_into_a_plain_module_without_process_group(saved: Path, 
         model = LayoutNet()
         optimizer = _adam(model)
         Checkpoint.load_objects({"model": model, "optimizer": optimizer}, _path(saved, layout, mode))
-        _train(model, optimizer, MORE_STEPS, tokens=True)
-        actual = {"model": model.state_dict(), "optimizer": _full_optimizer_state(model, optimizer)}
-        _assert_states(actual, expected, exact=False)
+        train_same_batches(model, optimizer, MORE_STEPS, tokens=True)
+        actual = {"model": model.state_dict(), "optimizer": full_optimizer_state(model, optimizer)}
+        assert_states(actual, expected, exact=False)
         assert model.out.weight is model.emb.weight
 
 
@@ -292,13 +292,13 @@ def test_consolidate_writes_what_the_consolidated_save_wrote(saved, layout, wind
     assert verify_file(target) is not None
     expected = _in_name_order(torch.load(_path(saved, layout, "pt"), weights_only=True))
     for mmap in (False, True):
-        _assert_states(_in_name_order(torch.load(target, weights_only=True, mmap=mmap)), expected, exact=True)
+        assert_states(_in_name_order(torch.load(target, weights_only=True, mmap=mmap)), expected, exact=True)
     torch.manual_seed(7)
     model = LayoutNet()
     optimizer = _adam(model)
     Checkpoint.load_objects({"model": model, "optimizer": optimizer}, target)
-    actual = {"model": model.state_dict(), "optimizer": _full_optimizer_state(model, optimizer)}
-    _assert_states(_in_name_order(actual), expected, exact=True)
+    actual = {"model": model.state_dict(), "optimizer": full_optimizer_state(model, optimizer)}
+    assert_states(_in_name_order(actual), expected, exact=True)
 
 
 def _in_name_order(state: Any) -> Any:
