@@ -9,16 +9,21 @@ the twin's state, and a resume on the same layout is bitwise equal to the uninte
 weights, sizes divisible by no mesh dimension, parameters replicated over the tensor-parallel dimension and sharded
 over the data-parallel one, and units on different meshes (the tensor-parallel layers on the 2-D mesh, the rest on
 its data-parallel submesh, which does not span the world). One 4-rank launch covers all of it, to keep the file fast.
+
+Below them, :func:`~ignite_zero.adapters.regions.gather_pieces` on its own: full tensors assembled on any rank from
+flat ranges, slices, blocks, replicas, values and aliases, each block taken from one replica, and pieces that overlap,
+leave gaps or disagree refused on every rank.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -33,14 +38,16 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, f
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from transported import assert_same
 
 from ignite_zero import Checkpoint, DiskSaver, ShardedSaver, cli
+from ignite_zero.adapters import regions as regions_module
+from ignite_zero.adapters.regions import Box, Pieces, Region, gather_pieces
 from ignite_zero.storage.formats import consolidation
 from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.formats.consolidation import WINDOW_BYTES
 from ignite_zero.storage.formats.file import verify_file
-
-pytestmark = pytest.mark.distributed
+from ignite_zero.transport import DEFAULT_CHUNK_BYTES
 
 
 class Layer(nn.Module):
@@ -257,16 +264,19 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+@pytest.mark.distributed
 def test_every_layout_saves_resumes_bitwise_and_loads_across_layouts(saved: Path) -> None:
     """The checks run on the ranks the fixture launches; here, what they wrote."""
     for layout in ("hsdp", "tp", "fsdp1_hybrid", "fsdp1_zero2_groups", "fsdp2"):
         assert _path(saved, layout, "pt").is_file() and _path(saved, layout, "dcp").is_dir()
 
 
+@pytest.mark.distributed
 def test_2d_layouts_load_into_1d_fsdp2_and_fsdp1_on_2_ranks(saved: Path) -> None:
     run_ranks(_on_2_ranks, 2, saved, "load")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_2d_layouts_load_into_a_plain_module_without_process_group(saved: Path, mode: str) -> None:
     expected = _twin(len(SAVE_STEPS) + len(MORE_STEPS))
@@ -281,6 +291,7 @@ def test_2d_layouts_load_into_a_plain_module_without_process_group(saved: Path, 
         assert model.out.weight is model.emb.weight
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("window", [WINDOW_BYTES, 48], ids=["window", "rows a few at a time"])
 @pytest.mark.parametrize("layout", ["hsdp", "tp", "fsdp1_hybrid", "fsdp2"])
 def test_consolidate_writes_what_the_consolidated_save_wrote(saved, layout, window, tmp_path, monkeypatch):
@@ -308,6 +319,7 @@ def _in_name_order(state: Any) -> Any:
     return [_in_name_order(value) for value in state] if isinstance(state, list) else state
 
 
+@pytest.mark.distributed
 def test_consolidate_refuses_a_corrupt_entry_and_leaves_nothing(saved, tmp_path, capsys):
     directory = tmp_path / "corrupt.dcp"
     shutil.copytree(_path(saved, "tp", "dcp"), directory)
@@ -325,3 +337,142 @@ def test_consolidate_refuses_a_corrupt_entry_and_leaves_nothing(saved, tmp_path,
     assert cli.main(["consolidate", str(directory), str(target_directory / "one.pt")]) == 1
     assert "is corrupt" in capsys.readouterr().err
     assert list(target_directory.iterdir()) == []  # no target, no temporary file
+
+
+def _pieces_of(rank: int, world_size: int, full: dict[str, torch.Tensor]) -> Pieces:
+    """What rank `rank` holds of the full tensors, in every way FSDP1, FSDP2, HSDP and tensor parallelism hold them."""
+    pieces = Pieces()
+    # flat ranges, uneven, the last rank possibly empty (torch.chunk semantics on the flattened tensor)
+    flat = full["flat"].reshape(-1)
+    chunk = -(-flat.numel() // world_size)
+    start = min(rank * chunk, flat.numel())
+    piece = flat[start : start + chunk]
+    pieces.add(("flat",), Box.range(full["flat"].shape, start, piece.numel()), piece)
+    # a slice along dim 1 (FSDP2 Shard(1)): one run per row on the recipient
+    rows, columns = full["columns"].shape
+    width = -(-columns // world_size)
+    first = min(rank * width, columns)
+    piece = full["columns"][:, first : first + width]
+    pieces.add(("columns",), Box((rows, columns), (0, first), tuple(piece.shape)), piece)
+    # two blocks per rank, sharded along both dimensions (FSDP2 over a row-wise parallel layer)
+    height = -(-full["grid"].shape[0] // world_size)
+    top = min(rank * height, full["grid"].shape[0])
+    for left in (0, 2):
+        piece = full["grid"][top : top + height, left : left + 2]
+        pieces.add(("grid",), Box(tuple(full["grid"].shape), (top, left), tuple(piece.shape)), piece)
+    # blocks held by several ranks at 3 ranks (HSDP's replicate dimension): each comes from one of them
+    half = full["halves"][:2] if rank % 2 == 0 else full["halves"][2:]
+    pieces.add(("halves",), Box((3, 4), (0 if rank % 2 == 0 else 2, 0), tuple(half.shape)), half)
+    # replicated on every rank (NO_SHARD, buffers, Adam's step): travels once, if at all
+    pieces.add_whole(("replica",), full["replica"])
+    empty = full["empty"].reshape(-1)  # no elements at all: every rank holds an empty piece
+    pieces.add(("empty",), Box.range(full["empty"].shape, 0, 0), empty)
+    pieces.add_whole(("lr",), 0.5)
+    pieces.add_alias(("tied",), ("flat",))
+    if rank == world_size - 1:  # a key only one non-recipient holds
+        pieces.add_whole(("only_last",), full["only_last"])
+    return pieces
+
+
+def _full() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "flat": torch.randn(7, 5, generator=generator),
+        "columns": torch.randn(3, 11, generator=generator).bfloat16(),
+        "grid": torch.randn(5, 4, generator=generator),
+        "halves": torch.randn(3, 4, generator=generator),
+        "replica": torch.arange(4),
+        "only_last": torch.randn(2, 2, 2, generator=generator),
+        "empty": torch.empty(3, 0),
+    }
+
+
+def _test_gather_pieces(rank: int, world_size: int) -> None:
+    full = _full()
+    for dst, chunk in itertools.product(range(world_size), (100, DEFAULT_CHUNK_BYTES)):
+        result = gather_pieces(_pieces_of(rank, world_size, full), dst, chunk_bytes=chunk)
+        if rank != dst:
+            assert result is None
+            continue
+        names = ["flat", "columns", "grid", "halves", "replica", "empty", "lr", "tied", "only_last"]
+        assert list(result) == [(name,) for name in names]
+        for name, tensor in full.items():
+            assert_same(result[(name,)], tensor)
+        assert result[("tied",)] is result[("flat",)] and result[("lr",)] == 0.5
+
+
+def _test_inconsistent_pieces(rank: int, world_size: int) -> None:
+    pieces = Pieces()
+    pieces.add(("w",), Box.range((4,), 1 if rank == 1 else 0, 2), torch.ones(2))  # ranks 0 and 1 overlap
+    with pytest.raises(RuntimeError, match=r"Pieces of w overlap"):
+        gather_pieces(pieces, 1)
+    pieces = Pieces()
+    pieces.add(("w",), Box.range((4,) if rank else (5,), 2 * rank, 2), torch.ones(2))
+    with pytest.raises(RuntimeError, match=r"Ranks disagree on w"):
+        gather_pieces(pieces, 0)
+    ok = Pieces()
+    ok.add_whole(("x",), torch.ones(2))
+    result = gather_pieces(ok, 0)  # the group is still usable
+    assert rank != 0 or torch.equal(result[("x",)], torch.ones(2))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gather_pieces_assembles_full_tensors_on_any_rank(world_size: int) -> None:
+    """Flat ranges, column slices, 2-D blocks, replicas, values, aliases and keys held by one rank only."""
+    run_ranks(_test_gather_pieces, world_size)
+
+
+@pytest.mark.distributed
+def test_inconsistent_pieces_raise_on_every_rank() -> None:
+    run_ranks(_test_inconsistent_pieces, 2)
+
+
+def _hsdp_manifest(rank: int, layout: Any = None) -> Any:
+    """Rank ``rank`` of a 2 x 2 HSDP mesh: ``w`` (5 x 3) sharded over the two ranks of its row, replicated over rows."""
+    shard = rank % 2
+    box = Box((5, 3), (0, 0), (3, 3)) if shard == 0 else Box((5, 3), (3, 0), (2, 3))
+    return (
+        [Region(("w",), torch.float32, box, layout), Region(("b",), torch.float32, Box.whole((3,)))],
+        {},
+        [("w",), ("b",)],
+    )
+
+
+def test_each_block_comes_from_one_replica_the_recipients_own_first() -> None:
+    """HSDP on 4 ranks: rank 1 gathers; it holds ``w``'s second block and ``b`` itself, so only the first block
+    travels, from one of its two replicas (ranks 0 and 2)."""
+    order, chosen, regions, sends = regions_module._choose_sources([_hsdp_manifest(r) for r in range(4)], root=1)
+    assert order == [("w",), ("b",)]
+    assert chosen[("w",)] == [(0, 0), (1, 0)] and chosen[("b",)] == [(1, 1)]
+    assert sends == [[0], [], [], []]
+    # without a copy of its own, the recipient takes each tensor from one replica, and the replicas share the sending
+    both = [Region(("a",), torch.float32, Box.whole((2,))), Region(("b",), torch.float32, Box.whole((2,)))]
+    _, chosen, _, sends = regions_module._choose_sources([([], {}, []), (both, {}, [("a",), ("b",)])] * 2, root=0)
+    assert chosen == {("a",): [(1, 0)], ("b",): [(3, 1)]} and sends == [[], [0], [], [1]]
+
+
+def test_blocks_that_overlap_leave_gaps_or_disagree_are_errors() -> None:
+    def manifests(*boxes: Box, layouts: tuple[Any, ...] = (None, None)) -> list[Any]:
+        return [([Region(("w",), torch.float32, box, layout)], {}, [("w",)]) for box, layout in zip(boxes, layouts)]
+
+    with pytest.raises(RuntimeError, match=r"Pieces of w overlap"):
+        regions_module._choose_sources(manifests(Box((4, 4), (0, 0), (3, 2)), Box((4, 4), (2, 1), (2, 3))), 0)
+    with pytest.raises(RuntimeError, match=r"Pieces of w cover 12 of its 16 elements"):
+        regions_module._choose_sources(manifests(Box((4, 4), (0, 0), (2, 4)), Box((4, 4), (2, 0), (2, 2))), 0)
+    with pytest.raises(RuntimeError, match=r"some hold flat ranges of it, others blocks"):
+        regions_module._choose_sources(manifests(Box((4, 4), (0, 0), (2, 4)), Box.range((4, 4), 8, 8)), 0)
+
+    class Layout(NamedTuple):
+        ranks: tuple[int, ...]
+
+    # a strided shard whose local tensor is not one block: torch's first offset and local shape overlap a peer's
+    strided = (Layout((0, 1)), Layout((0, 1)))
+    with pytest.raises(RuntimeError, match=r"overlap: .* \(held as Layout.*\); is each rank's local tensor one block"):
+        regions_module._choose_sources(manifests(Box((4,), (0,), (2,)), Box((4,), (1,), (2,)), layouts=strided), 0)
+    # rank 0 holds w on a mesh of ranks (0, 1) and rank 1 on a mesh of its own: they must agree
+    with pytest.raises(RuntimeError, match=r"Ranks disagree on how they hold w: .* on rank 0, .* on rank 1"):
+        regions_module._choose_sources(
+            manifests(Box((4, 4), (0, 0), (2, 4)), Box((4, 4), (2, 0), (2, 4)), layouts=(Layout((0, 1)), Layout((1,)))),
+            0,
+        )
