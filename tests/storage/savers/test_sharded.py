@@ -22,8 +22,6 @@ from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.places import LocalPlace
 from ignite_zero.storage.savers.sharded import share
 
-pytestmark = pytest.mark.distributed
-
 
 def _save(rank, world_size, dirname, kind):
     objects = mixed_objects(kind, rank)
@@ -43,6 +41,7 @@ def saved(request, tmp_path_factory):
     return request.param, directory
 
 
+@pytest.mark.distributed
 def test_a_sharded_checkpoint_is_a_sealed_directory_with_one_file_per_rank(saved):
     _, directory = saved
     assert sorted(p.name for p in directory.iterdir()) == ["checkpoint_4.dcp", "full"]
@@ -57,6 +56,7 @@ def test_a_sharded_checkpoint_is_a_sealed_directory_with_one_file_per_rank(saved
     assert manifest["world_size"] == 2 and sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
+@pytest.mark.distributed
 def test_torch_own_tools_read_the_directory_as_the_full_state(saved, tmp_path):
     """The ranks' plans, agreed in the saver's rounds, make a directory that DCP's own reader takes whole."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -80,6 +80,7 @@ def _load(rank, world_size, directory, kind):
     return objects["trainer"].state.iteration
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [3, 2, 1])
 def test_loads_on_any_number_of_ranks(saved, world_size):
     kind, directory = saved
@@ -134,6 +135,7 @@ def _save_as_a_tensor_changes(rank, world_size, dirname):
     return True
 
 
+@pytest.mark.distributed
 def test_a_saver_plans_afresh_when_a_tensor_changes_dtype_or_shape_under_the_same_name(tmp_path):
     assert run_ranks(_save_as_a_tensor_changes, 2, tmp_path) == [True, True]
 
@@ -163,6 +165,7 @@ def _save_after_a_failed_save(rank, world_size, dirname):
     return str(checkpoint.last_checkpoint)
 
 
+@pytest.mark.distributed
 def test_a_save_after_a_failed_one_plans_afresh_and_loads(tmp_path):
     assert run_ranks(_save_after_a_failed_save, 2, tmp_path) == [str(tmp_path / "checkpoint_3.dcp")] * 2
 
@@ -218,6 +221,7 @@ def _what_saves_exchange(rank, world_size, dirname):
     return saves
 
 
+@pytest.mark.distributed
 def test_a_sharded_save_exchanges_dcp_plans_in_its_own_rounds_and_keeps_them(tmp_path):
     ranks = run_ranks(_what_saves_exchange, 2, tmp_path)
     assert any(("plan offered", True) in reshaped for _, _, reshaped in ranks), ranks  # the rank keeping the tensor
@@ -252,6 +256,7 @@ def _metadata_fails_on_the_coordinator(rank, world_size, dirname):
     return left
 
 
+@pytest.mark.distributed
 def test_a_save_whose_metadata_fails_on_the_coordinator_fails_on_every_rank_and_keeps_the_previous(tmp_path):
     assert run_ranks(_metadata_fails_on_the_coordinator, 2, tmp_path) == [["checkpoint_1.dcp"]] * 2
     assert sorted(name for name in os.listdir(tmp_path) if not name.startswith(".")) == ["checkpoint_3.dcp"]
@@ -282,6 +287,7 @@ def _stateful_values_saved_in_the_background(rank, world_size, dirname):
     return True
 
 
+@pytest.mark.distributed
 def test_stateful_values_are_saved_by_their_state_dict_in_the_background_too(tmp_path):
     assert run_ranks(_stateful_values_saved_in_the_background, 2, tmp_path) == [True, True]
     with sharded.DirectoryReader(LocalPlace(tmp_path / "state.dcp")) as reader:
@@ -308,12 +314,14 @@ def _rounds_of_a_load(rank, world_size, directory, kind):
     return rounds
 
 
+@pytest.mark.distributed
 def test_a_checkpoint_no_host_replicated_costs_the_search_for_replicas_one_round(saved):
     kind, directory = saved
     for rounds in run_ranks(_rounds_of_a_load, 2, directory, kind):
         assert sum(what.startswith("search for the parts of") for what in rounds) == 1, rounds
 
 
+@pytest.mark.distributed
 def test_loads_into_plain_objects_without_process_group(saved):
     _, directory = saved
     model, side = small_net(), tiny_model(seed=3)
@@ -351,6 +359,7 @@ def _async_and_retention(rank, world_size, dirname):
     return str(checkpoint.last_checkpoint)
 
 
+@pytest.mark.distributed
 def test_asynchronous_sharded_saves_and_retention(tmp_path):
     results = run_ranks(_async_and_retention, 2, tmp_path)
     assert results == [str(tmp_path / "checkpoint_6.dcp")] * 2
@@ -379,6 +388,7 @@ def _constant_name(rank, world_size, dirname):
     return model.module.state_dict()
 
 
+@pytest.mark.distributed
 def test_a_constant_name_is_replaced_by_the_complete_new_directory(tmp_path):
     model_state = run_ranks(_constant_name, 2, tmp_path)[0]
     assert [p.name for p in tmp_path.iterdir()] == ["latest.dcp"]
@@ -404,6 +414,7 @@ def _killed_before_sealing(rank, world_size, dirname):
     return str(checkpoint.last_checkpoint)
 
 
+@pytest.mark.distributed
 def test_a_save_interrupted_before_sealing_leaves_the_previous_checkpoint(tmp_path):
     results = run_ranks(_killed_before_sealing, 2, tmp_path, killed=[0], timeout=60)
     assert results[1] == str(tmp_path / "checkpoint_1.dcp")
@@ -415,6 +426,7 @@ def test_a_save_interrupted_before_sealing_leaves_the_previous_checkpoint(tmp_pa
         sharded.verify(tmp_path / ".checkpoint_2.dcp.ignite_zero-partial.tmp")
 
 
+@pytest.mark.distributed
 def test_corrupt_and_missing_files_are_refused(saved, tmp_path):
     _, directory = saved
     copy = tmp_path / "copy.dcp"
@@ -476,6 +488,7 @@ def _load_in_place(rank, world_size, directory, corrupt):
     return in_place, str(raised.value)
 
 
+@pytest.mark.distributed
 def test_a_load_on_several_ranks_reads_into_the_objects_own_tensors(saved, tmp_path):
     """Only once every rank has checked its entries: an object that does not fit changes nothing, FSDP shards
     included; and a corrupt byte that every rank reads is the same error on every rank."""
@@ -518,6 +531,7 @@ def _round_trip_on_one_rank(rank, world_size, dirname):
         Checkpoint(state, dirname / name)(trainer)
 
 
+@pytest.mark.distributed
 def test_shards_read_on_the_world_size_that_saved_them(tmp_path):
     """On the world size that saved them, FSDP1's ShardedTensors (here the optimizer state of flat parameters on one
     rank, whose one shard is the whole tensor) load what was saved: DCP reads them, not the reads of plain shards."""
@@ -541,11 +555,13 @@ def _before_the_first_step(rank, world_size, dirname):
     return zero.optim.state_dict()["state"], plain.state_dict()["state"]
 
 
+@pytest.mark.distributed
 def test_optimizers_without_state_yet(tmp_path):
     """Empty optimizer state leaves no entry in a sharded checkpoint; it is restored empty."""
     assert run_ranks(_before_the_first_step, 2, tmp_path) == [({}, {})] * 2
 
 
+@pytest.mark.distributed
 def test_every_rank_writes_a_share_of_what_all_ranks_hold():
     state = {"a": torch.zeros(1), "b": {"c": torch.ones(1), "d": 3}, "e": [torch.ones(2)], "f": "x"}
     shares = [share(state, rank, 2, keeper=1) for rank in range(2)]
@@ -556,3 +572,8 @@ def test_every_rank_writes_a_share_of_what_all_ranks_hold():
     layers = {f"{n}.{kind}": torch.zeros(size) for n in range(4) for kind, size in (("weight", 100), ("bias", 10))}
     shares = [share(layers, rank, 2, keeper=0) for rank in range(2)]
     assert [sum(t.numel() for t in part.values()) for part in shares] == [220, 220]
+
+
+def test_replicas_is_a_count(tmp_path):
+    with pytest.raises(ValueError, match=r"`replicas` should be a non-negative integer, got -1"):
+        ShardedSaver(tmp_path, replicas=-1)
