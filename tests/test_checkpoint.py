@@ -1,9 +1,11 @@
 """Without a process group ignite_zero's Checkpoint behaves as ignite's: the same files at every step, the same
-names, scores, retention and state, checked side by side against ignite's own Checkpoint."""
+names, scores, retention and state, checked side by side against ignite's own Checkpoint; and where it differs on
+purpose: scores stored as Python numbers, old files removed only once the new one is durable."""
 
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from ignite.engine import Engine, Events
@@ -12,6 +14,7 @@ from ignite.handlers import DiskSaver as IgniteDiskSaver
 from ignite.handlers import ModelCheckpoint as IgniteModelCheckpoint
 from ignite.handlers import global_step_from_engine
 from ignite.handlers.checkpoint import CheckpointEvents
+from saving import idle_engine, save_at
 from training import assert_state_equal, tiny_model, train_step
 
 from ignite_zero import Checkpoint, DiskSaver, ModelCheckpoint, ShardedSaver
@@ -195,3 +198,39 @@ def test_load_latest_resumes_a_checkpoint_of_another_kind_and_leaves_it_to_its_s
     sharded(trainer)
     assert sharded.last_checkpoint == tmp_path / "model_5.dcp"
     assert sorted(os.listdir(tmp_path)) == ["model_3.pt", "model_5.dcp"]
+
+
+def test_numpy_scores_are_stored_as_python_numbers(tmp_path):
+    engine = idle_engine()
+    handler = Checkpoint(
+        {"model": tiny_model(), "optimizer": torch.optim.SGD(tiny_model().parameters(), lr=0.1)},
+        DiskSaver(tmp_path),
+        score_function=lambda _: np.float64(0.25),
+        score_name="acc",
+        include_self=True,
+    )
+    handler(engine)
+    saved = torch.load(tmp_path / "checkpoint_acc=0.2500.pt", weights_only=True)
+    assert saved["checkpointer"]["_saved"] == [(0.25, "checkpoint_acc=0.2500.pt")]  # ignite's own form
+    assert type(handler._saved[0].priority) is float
+
+
+def test_retention_removes_old_files_only_after_the_new_one_is_durable(tmp_path):
+    order = []
+    saver = DiskSaver(tmp_path)
+    original_dump, original_remove = saver._dump, saver.remove
+    saver._dump = lambda checkpoint, f, func: (order.append("write"), original_dump(checkpoint, f, func))
+    saver.remove = lambda filename: (order.append(f"remove {filename}"), original_remove(filename))
+    handler = Checkpoint({"model": tiny_model()}, saver, n_saved=1)
+    engine = idle_engine()
+    save_at(handler, engine, 1)
+    save_at(handler, engine, 2)
+    assert order == ["write", "write", "remove model_1.pt"]
+
+
+def test_the_extension_is_the_savers_unless_set(tmp_path):
+    assert Checkpoint({"model": tiny_model()}, ShardedSaver(tmp_path / "s")).ext == "dcp"
+    handler = Checkpoint({"model": tiny_model()}, DiskSaver(tmp_path / "f"))
+    handler.ext = "pth"  # as with ignite's Checkpoint
+    handler(Engine(lambda e, b: None))
+    assert handler.last_checkpoint == tmp_path / "f" / "model_0.pth"

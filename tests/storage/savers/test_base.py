@@ -1,15 +1,14 @@
-"""The saver protocol is the only seam between policy and storage: a saver of one's own plugs into Checkpoint, and
-every saver lists the checkpoints it holds."""
+"""The saver protocol (:mod:`ignite_zero.storage.savers.base`) is the only seam between policy and storage: a saver
+of one's own, written against the protocol alone, plugs into Checkpoint."""
 
 from collections.abc import Mapping
 
 import pytest
-import torch
 from ignite.engine import Engine, Events
 from launcher import run_ranks
 from training import assert_state_equal, tiny_model, train_step, zero_adam
 
-from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
+from ignite_zero import Checkpoint
 from ignite_zero.storage import ConsolidatingSaver, SaveRequest
 
 
@@ -54,24 +53,3 @@ def test_a_saver_of_ones_own_plugs_in_through_the_protocol():
     assert names0 == [] and held0 is None  # only the recipient writes
     assert names1 == ["checkpoint_4.pt", "checkpoint_6.pt"] and last0 == last1 == "checkpoint_6.pt"
     assert_state_equal(held1["optimizer"], expected)
-
-
-def test_savers_list_the_checkpoints_they_hold(tmp_path):
-    engine = Engine(lambda e, b: None)
-    for saver, ext in ((DiskSaver(tmp_path / "files"), "pt"), (ShardedSaver(tmp_path / "dirs"), "dcp")):
-        handler = Checkpoint({"model": tiny_model()}, saver, n_saved=2)
-        for step in (1, 2, 3):
-            engine.state.iteration = step
-            handler(engine)
-        assert saver.list() == [f"model_2.{ext}", f"model_3.{ext}"]
-        assert handler.last_checkpoint == saver.directory / f"model_3.{ext}"
-    torch.save({}, tmp_path / "files" / ".model_9.pt.ignite_zero-abc.tmp")  # left by an interrupted save
-    assert DiskSaver(tmp_path / "files", require_empty=False).list() == ["model_2.pt", "model_3.pt"]
-
-
-def test_the_extension_is_the_savers_unless_set(tmp_path):
-    assert Checkpoint({"model": tiny_model()}, ShardedSaver(tmp_path / "s")).ext == "dcp"
-    handler = Checkpoint({"model": tiny_model()}, DiskSaver(tmp_path / "f"))
-    handler.ext = "pth"  # as with ignite's Checkpoint
-    handler(Engine(lambda e, b: None))
-    assert handler.last_checkpoint == tmp_path / "f" / "model_0.pth"
