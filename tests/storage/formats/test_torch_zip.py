@@ -1,11 +1,12 @@
-"""Our writer of torch.save's archive against torch.save itself, record by record; and DCP's files written and read by
-us, against DCP's own writer and readers."""
+"""Our writer of torch.save's archive against torch.save itself, record by record, with zlib's checksums; and DCP's
+files written and read by us, against DCP's own writer and readers."""
 
 from __future__ import annotations
 
 import dataclasses
 import io
 import pickle
+import random
 import shutil
 import struct
 import warnings
@@ -439,3 +440,20 @@ def test_archives_past_4_gib_are_torch_saves_with_zip64_fields(shapes):
 @pytest.mark.large
 def test_an_archive_of_more_than_65535_records_is_torch_saves():
     _assert_torch_saves_at_size([torch.full((2,), float(i)) for i in range(65_600)])
+
+
+def test_archive_and_file_checksums_are_zlibs(tmp_path):
+    rng = random.Random(1)
+    sizes = [rng.choice([0, 5, 8192, 700_000]) for _ in range(40)]  # records of several 256 KiB slices among them
+    tensors = [
+        torch.frombuffer(bytearray(rng.randbytes(size)), dtype=torch.uint8) if size else torch.empty(0)
+        for size in sizes
+    ]
+    target = io.BytesIO()
+    archive = write_archive(target, tensors)
+    written = target.getvalue()
+    assert (archive.size, archive.crc) == (len(written), zlib.crc32(written))
+    for record in archive.records:
+        assert record.crc == zlib.crc32(written[record.offset : record.offset + record.size])
+    (tmp_path / "file").write_bytes(written)
+    assert sharded.file_crc(LocalPlace(tmp_path), "file") == zlib.crc32(written)

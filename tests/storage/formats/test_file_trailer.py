@@ -1,0 +1,42 @@
+"""The integrity trailer of checkpoint files (:mod:`ignite_zero.storage.formats.file_trailer`): the CRC-32 of every
+block of their records, in blocks that double in size to fit the zip comment."""
+
+import io
+import json
+import zipfile
+import zlib
+
+import torch
+from sealed_files import sealed_bytes
+
+from ignite_zero.storage.formats import file as integrity
+from ignite_zero.storage.formats import file_trailer
+
+
+def _blocks_of(data):
+    return integrity.Blocks.from_json(json.loads(zipfile.ZipFile(io.BytesIO(data)).comment)["blocks"])
+
+
+def _expected_crcs(data, blocks):
+    starts = range(0, blocks.end, blocks.size)
+    return tuple(zlib.crc32(data[start : min(start + blocks.size, blocks.end)]) for start in starts)
+
+
+def test_sealed_files_record_the_crc32_of_every_block_of_their_records():
+    state = {"weight": torch.randn(300_001, generator=torch.Generator().manual_seed(0)), "step": torch.tensor(3.0)}
+    data = sealed_bytes(state)
+    blocks = _blocks_of(data)
+    directory = zipfile.ZipFile(io.BytesIO(data))
+    assert blocks.size == 64 << 10 and blocks.end == data.index(b"PK\x01\x02")  # up to the central directory
+    assert blocks.crc32 == _expected_crcs(data, blocks)
+    assert len(blocks.crc32) == -(-blocks.end // blocks.size) and directory.testzip() is None
+
+
+def test_blocks_double_in_size_to_fit_the_zip_comment(monkeypatch):
+    monkeypatch.setattr(file_trailer, "_FIRST_BLOCK", 1024)
+    monkeypatch.setattr(file_trailer, "_MAX_BLOCKS", 16)
+    data = sealed_bytes({"weight": torch.randn(50_000, generator=torch.Generator().manual_seed(1))})  # 200 KB: 196 KiB
+    blocks = _blocks_of(data)
+    assert blocks.size == 16 << 10 and len(blocks.crc32) <= 16  # 1, 2, 4, 8 then 16 KiB: combined, never re-read
+    assert blocks.crc32 == _expected_crcs(data, blocks)
+    assert torch.load(io.BytesIO(data), weights_only=True)["weight"].shape == (50_000,)
