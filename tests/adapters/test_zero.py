@@ -1,5 +1,6 @@
 """ZeRO and OSS through Checkpoint on real gloo ranks: saved state equals torch's own consolidation, loads on any
-world size, resumes bitwise, and every misuse fails on every rank instead of hanging."""
+world size, resumes bitwise, and every misuse fails on every rank instead of hanging; and the part of an optimizer's
+entry that a rank loads."""
 
 import functools
 
@@ -13,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training import assert_state_equal, tiny_model, train_step, zero_adam
 
 from ignite_zero import Checkpoint, CollectiveTimeoutError, ConsolidateZeROHandler, DiskSaver, RankFailureError
+from ignite_zero.adapters.zero import OptimizerStatePart
 
 pytestmark = pytest.mark.distributed
 
@@ -341,3 +343,11 @@ def test_load_objects_never_mutates_the_checkpoint_it_is_given(tmp_path):
     run_ranks(_train_and_save, 2, tmp_path, 1)
     state = torch.load(tmp_path / "checkpoint_3.pt", weights_only=True)
     run_ranks(_load_leaves_the_dict_alone, 2, state)
+
+
+def test_optimizer_state_part_selects_by_index():
+    entry = {"state": {0: {"step": 1}, 3: {"step": 2}}, "param_groups": [{"params": [0, 1, 2, 3]}]}
+    assert OptimizerStatePart((3, 5)).select(entry) == {
+        "state": {3: {"step": 2}},
+        "param_groups": entry["param_groups"],
+    }

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training import assert_state_equal, shard, small_net, tiny_model, train_step, zero_adam
 
 from ignite_zero import Checkpoint, DiskSaver
-from ignite_zero.adapters.zero import OptimizerStatePart, ZeROState
+from ignite_zero.adapters.zero import ZeROState
 
 _CLONE_NEWNS, _MS_REC, _MS_PRIVATE = 0x00020000, 0x4000, 0x40000
 
@@ -122,15 +122,6 @@ def _no_file(rank, world_size, path):
 @pytest.mark.distributed
 def test_a_file_that_no_rank_sees_fails_on_every_rank(tmp_path):
     run_ranks(_no_file, 2, tmp_path / "missing.pt")
-
-
-@pytest.mark.distributed
-def test_optimizer_state_part_selects_by_index():
-    entry = {"state": {0: {"step": 1}, 3: {"step": 2}}, "param_groups": [{"params": [0, 1, 2, 3]}]}
-    assert OptimizerStatePart((3, 5)).select(entry) == {
-        "state": {3: {"step": 2}},
-        "param_groups": entry["param_groups"],
-    }
 
 
 def _step(model, optimizer):
