@@ -96,8 +96,8 @@ def _directory_entries(reader: DirectoryReader, objects: Mapping, weights_only: 
     straight into the object's tensor where it fits.
 
     Shards are read now into new tensors, or, ``into_objects``, into the object's own when it is restored, where
-    they are exactly as saved (else, to reshard, now into new ones). An earlier release's directory (no records
-    of entries) is read whole now, into new tensors.
+    they are exactly as saved (else, to reshard, now into new ones). Another tool's directory (no manifest) is
+    read whole now, into new tensors.
     """
     found = _DirectoryEntries(reader, not weights_only)
     for path, obj in tree.leaves(objects):

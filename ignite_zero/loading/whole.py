@@ -28,13 +28,12 @@ def streamed_state(
     place: Place, progress: Callable[[int, int], None] | None = None, trusted: bool = False
 ) -> tuple[dict[str, Any], StreamedTensors]:
     """The state of the checkpoint directory at ``place`` as one file holds it, its tensors unread, and the source
-    of their bytes (:func:`~ignite_zero.storage.formats.consolidation.unread_state`); a directory whose manifest
-    records no entries (another tool's, or an earlier release's) is verified whole first.
+    of their bytes (:func:`~ignite_zero.storage.formats.consolidation.unread_state`); a directory without manifest
+    (another tool's) is read unverified, with a warning.
 
     Raises:
         UnsafeCheckpointError: a pickle of it holds anything but data, unless ``trusted``.
-        IntegrityError: the directory has no manifest that records its entries and does not verify, or its
-            ``.metadata`` is corrupt.
+        IntegrityError: the directory is incomplete, or its manifest or ``.metadata`` is corrupt.
     """
     records = entry_records(read_manifest(place))
     if records is None:

@@ -2,7 +2,6 @@
 loads on 2, 3 and 1 ranks, ranged reads, corrupt and truncated objects, interrupted saves, faults and bad input."""
 
 import io
-import json
 import os
 import signal
 import subprocess
@@ -464,19 +463,3 @@ def test_export_reads_a_url_one_tensor_at_a_time(saved, tmp_path):
     twin = mixed_twin()[0].state_dict()
     assert sorted(exported) == sorted(twin)
     torch.testing.assert_close(exported, dict(twin))
-
-
-def test_a_sharded_checkpoint_of_an_earlier_release_loads_from_the_store(bucket, storage_options):
-    """A manifest that lists files only (an earlier release's): DCP's own reader reads the prefix, after the files
-    are verified whole, as it reads a local directory."""
-    model = tiny_model()
-    Checkpoint({"model": model}, ShardedSaver(f"{bucket}/run", storage_options=storage_options))(Engine(lambda e, b: 0))
-    url = f"{bucket}/run/model_0.dcp"
-    client = _client(storage_options)
-    manifest = json.loads(client.cat_file(f"{_key(url)}/{sharded.MANIFEST}"))
-    for listed in manifest["files"].values():
-        del listed["records"]
-    client.pipe_file(f"{_key(url)}/{sharded.MANIFEST}", json.dumps(manifest).encode())
-    fresh = tiny_model(seed=1)
-    Checkpoint.load_objects({"model": fresh}, url, storage_options=storage_options)
-    torch.testing.assert_close(fresh.state_dict(), model.state_dict())

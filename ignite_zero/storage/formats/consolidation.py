@@ -9,8 +9,8 @@ the order the writer writes them, it reads the rows of the tensor that hold it f
 of its own, and hands the window's bytes on. Each chunk's bytes are read once, in order, and checked against the
 manifest's CRC-32 when the last of them arrives: a corrupt entry fails the write before the file is committed.
 
-A directory that records no entries in its manifest (another tool's, or an earlier release's) is verified whole
-first, and each of its tensors is read whole when the writer comes to it: memory then holds the largest tensor.
+A directory without manifest (another tool's) is read unverified, each of its tensors whole when the writer comes
+to it: memory then holds the largest tensor.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def unread_state(
     Args:
         place: the checkpoint directory.
         records: its entries' records, from the manifest (:func:`~.directory.entry_records`); ``None`` where it has
-            none, for a directory verified whole beforehand.
+            none (another tool's directory).
         progress: called with the bytes read so far and the total, after each window.
         trusted: unpickle whatever its pickles hold.
 

@@ -10,7 +10,7 @@ files itself, straight from tensor memory, computing the CRC-32 of every file an
 Reading goes through DCP's planning: a template names the entries a rank needs (tensors allocated from the
 directory's metadata, or ``DTensor``\\ s of the rank's own shards for FSDP) and DCP fills them, resharding across world
 sizes. Each entry is read straight into its tensor and checked by the manifest's record as it arrives; a directory
-whose manifest records no entries (an earlier release's) is verified whole first and read by DCP's own reader.
+without manifest (another tool's) is read by DCP's own reader, unverified.
 """
 
 from __future__ import annotations
@@ -117,15 +117,10 @@ def writer_for(place: Place, thread_count: int, cache_staged_state_dict: bool = 
     return DirectoryWriter(place, thread_count, cache_staged_state_dict)
 
 
-def _reader_of(place: Place, trusted: bool) -> Any:
-    """DCP's own reader, for a directory whose manifest records no entries (written by an earlier release, or by
-    another tool): through fsspec, which reads a local directory and a URL alike; its ``.metadata`` read safely."""
-    return _ForeignReader(place, trusted)
-
-
 class _ForeignReader(_compat.DcpFsspecReader):
-    """DCP's reader of a directory, whose ``.metadata`` is read through :func:`~.trust.load_metadata` (DCP's own
-    reader unpickles whatever it holds)."""
+    """DCP's own reader, for a directory without manifest (another tool's): through fsspec, which reads a local
+    directory and a URL alike; its ``.metadata`` read through :func:`~.trust.load_metadata` (DCP's own reader
+    unpickles whatever it holds)."""
 
     def __init__(self, place: Place, trusted: bool) -> None:
         super().__init__(str(place.location()), **(place.storage_options or {}))
@@ -189,7 +184,11 @@ def seal(
 
 
 def read_manifest(where: str | os.PathLike | Place) -> dict[str, Any] | None:
-    """The manifest of a checkpoint directory, ``None`` if it has none (written by DCP directly)."""
+    """The manifest of a checkpoint directory, ``None`` if it has none (written by DCP directly).
+
+    Raises:
+        IntegrityError: it is corrupt, not ignite_zero's, or lists a file without the records of its entries.
+    """
     place = place_of(where)
     if not place.is_file(MANIFEST):
         return None
@@ -199,6 +198,17 @@ def read_manifest(where: str | os.PathLike | Place) -> dict[str, Any] | None:
         raise IntegrityError(f"{place.location(MANIFEST)} is corrupt: {error}") from error
     if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
         raise IntegrityError(f"{place.location(MANIFEST)} is not an ignite_zero manifest")
+    files = manifest.get("files")
+    files = files if isinstance(files, dict) else {}
+    unrecorded = sorted(
+        name for name, listed in files.items() if not isinstance(listed, dict) or "records" not in listed
+    )
+    if not files or unrecorded:
+        what = f"the records of the entries of {', '.join(unrecorded)}" if files else "the list of its files"
+        raise IntegrityError(
+            f"{place.location(MANIFEST)} lacks {what}, which every manifest that ignite_zero writes holds: it is "
+            "corrupt or not ignite_zero's. Restore the checkpoint from a good copy, or save it again."
+        )
     return manifest
 
 
@@ -240,11 +250,11 @@ def verify(where: str | os.PathLike | Place) -> dict[str, Any] | None:
 
 
 def entry_records(manifest: Mapping[str, Any] | None) -> dict[str, list[EntryRecord]] | None:
-    """Where each entry of each file lies and its CRC-32, from the manifest; ``None`` unless it records them for
-    every file (manifests of earlier releases list files only)."""
-    files = (manifest or {}).get("files", {})
-    if not files or not all("records" in listed for listed in files.values()):
+    """Where each entry of each file lies and its CRC-32, from the manifest (see :func:`read_manifest`); ``None``
+    without one (another tool's directory)."""
+    if manifest is None:
         return None
+    files = manifest["files"]
     try:
         records = {name: [EntryRecord.from_json(r) for r in listed["records"]] for name, listed in files.items()}
         sizes = {name: int(listed["size"]) for name, listed in files.items()}
@@ -311,7 +321,7 @@ def read_metadata(
             bytes than its entries hold.
     """
     place = place_of(where)
-    reader = _reader_of(place, trusted) if records is None else PlaceStorageReader(place, records, trusted)
+    reader = _ForeignReader(place, trusted) if records is None else PlaceStorageReader(place, records, trusted)
     metadata = reader.read_metadata()
     _check_bounds(place, metadata)
     return metadata
@@ -418,15 +428,15 @@ def load(
 
     Local: every rank reads what its own template names (on an object store, with ranged reads), so ranks need no
     collective to load. With the manifest's ``records`` (see :func:`entry_records`), each entry is read straight into
-    place and checked as it arrives; without, DCP's own reader reads the files (verified beforehand). Values that are
-    no tensors are read as ``torch.load(..., weights_only=True)`` reads them, unless ``trusted``.
+    place and checked as it arrives; without (another tool's directory), DCP's own reader reads the files. Values
+    that are no tensors are read as ``torch.load(..., weights_only=True)`` reads them, unless ``trusted``.
 
     Raises:
         IntegrityError: an entry read is corrupt or truncated.
         UnsafeCheckpointError: ``.metadata`` or a value holds anything but data, unless ``trusted``.
     """
     place = place_of(where)
-    reader = _reader_of(place, trusted) if records is None else PlaceStorageReader(place, records, trusted)
+    reader = _ForeignReader(place, trusted) if records is None else PlaceStorageReader(place, records, trusted)
     planner = _SafeValuesPlanner(str(place.location()), weights_only=not trusted)
     try:
         with in_one_process():  # each rank reads its own
@@ -490,12 +500,11 @@ class DirectoryReader(Reader):
         if not whole:
             check_committed(self.place)
             manifest = read_manifest(self.place)
-            if entry_records(manifest) is not None:  # a load checks each entry it reads as it reads it
-                assert manifest is not None
+            if manifest is not None:  # a load checks each entry it reads as it reads it
                 _check_listing(self.place, manifest)
                 summary = f"{len(manifest['files'])} files, sizes match the manifest; entries checked as read"
                 return Verification(True, "manifest", summary, manifest)
-        manifest = verify(self.place)  # every file, whole: DCP's own reads are not checked as they arrive
+        manifest = verify(self.place)
         if manifest is None:
             return Verification(False, "manifest", "written by another tool")
         summary = f"{len(manifest['files'])} files, sizes and CRC-32 match the manifest"
@@ -536,9 +545,8 @@ class DirectoryReader(Reader):
         return self._saved
 
     def records(self) -> dict[str, list[EntryRecord]] | None:
-        """Where every entry lies and its CRC-32, from the manifest, for reads checked as they arrive; ``None`` where
-        the manifest does not say (an earlier release's, or none): such a directory is verified whole before a
-        read."""
+        """Where every entry lies and its CRC-32, from the manifest, for reads checked as they arrive; ``None``
+        without manifest (another tool's directory, read unverified)."""
         return entry_records(read_manifest(self.place))
 
     def listing(self) -> dict[str, Any]:

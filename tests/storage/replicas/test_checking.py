@@ -20,9 +20,9 @@ def _host_copy(root: Path) -> LocalPlace:
     (directory / "__0_0.distcp").write_bytes(b"intact")
     (directory / "__1_0.distcp").write_bytes(b"rotted")
     files = {
-        "__0_0.distcp": {"size": 6, "crc32": crc32(b"intact")},
-        "__1_0.distcp": {"size": 6, "crc32": crc32(b"before")},
-        "__2_0.distcp": {"size": 6, "crc32": crc32(b"remote")},
+        "__0_0.distcp": {"size": 6, "crc32": crc32(b"intact"), "records": []},
+        "__1_0.distcp": {"size": 6, "crc32": crc32(b"before"), "records": []},
+        "__2_0.distcp": {"size": 6, "crc32": crc32(b"remote"), "records": []},
     }
     keepers = {"__0_0.distcp": ["a", "b"], "__1_0.distcp": ["b", "a"], "__2_0.distcp": ["c", "b"]}
     manifest = {"format": "ignite_zero-sharded", "files": files, "replicas": 1, "hosts": ["a", "b", "c"]}

@@ -443,14 +443,19 @@ def test_corrupt_and_missing_files_are_refused(saved, tmp_path):
         Checkpoint.load_objects({"side_model": tiny_model()}, copy)
     with pytest.raises(IntegrityError, match=rf"copy.dcp: file {read.relative_path} is corrupt \(CRC-32"):
         sharded.verify(copy)  # every byte, as `ignite-zero verify` checks it
-    # the manifest of an earlier release lists files only: the directory is verified whole before a load
-    manifest = json.loads((copy / sharded.MANIFEST).read_text())
-    for listed in manifest["files"].values():
-        del listed["records"]
-    (copy / sharded.MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(IntegrityError, match=rf"copy.dcp: file {read.relative_path} is corrupt \(CRC-32"):
-        Checkpoint.load_objects({"side_model": tiny_model()}, copy)
     (copy / read.relative_path).write_bytes(good)
+    # a manifest without the records of a file's entries, which every manifest of ours has: refused, never read
+    # otherwise, by a load and by a verification alike
+    sealed = (copy / sharded.MANIFEST).read_text()
+    manifest = json.loads(sealed)
+    del manifest["files"][read.relative_path]["records"]
+    (copy / sharded.MANIFEST).write_text(json.dumps(manifest))
+    lacks = rf"{sharded.MANIFEST} lacks the records of the entries of {read.relative_path}, .* save it again"
+    with pytest.raises(IntegrityError, match=lacks):
+        Checkpoint.load_objects({"side_model": tiny_model()}, copy)
+    with pytest.raises(IntegrityError, match=lacks):
+        sharded.verify(copy)
+    (copy / sharded.MANIFEST).write_text(sealed)
     Checkpoint.load_objects({"side_model": tiny_model()}, copy)
     (copy / "__1_0.distcp").unlink()
     with pytest.raises(IntegrityError, match=r"file __1_0.distcp is missing"):
