@@ -114,7 +114,7 @@ class StreamedTensors:
         self._done = 0
         self._window: _Window | None = None
         self._buffer = torch.empty(0, dtype=torch.uint8)  # the window's memory, reused
-        self._readings: dict[str, list[_Chunk] | None] = {}
+        self._readings: dict[str, list[_Chunk]] = {}
 
     def bytes_of(self, piece: memoryview) -> list[memoryview]:
         """The bytes of ``piece``, a slice of one of the tensors' memory (see ``write_archive``'s ``source``)."""
@@ -168,18 +168,19 @@ class StreamedTensors:
         return _Window(name, first * row_bytes, last * row_bytes, tensor_bytes(rows))
 
     def _chunks(self, name: str, tensor: torch.Tensor) -> list[_Chunk] | None:
-        """Each chunk of the tensor ``name``, its reading made at the tensor's first window; ``None`` where some chunk
-        is read whole (no manifest's records, or an earlier release's archive)."""
+        """Each chunk of the tensor ``name``, its reading made at the tensor's first window; ``None`` where the
+        tensor is read whole (no manifest's records)."""
+        if self._saved is None:
+            return None
         if name not in self._readings:
             storage = self._metadata.state_dict_metadata[name]
             assert isinstance(storage, TensorStorageMetadata)
             chunks = []
             for chunk in storage.chunks:
                 nbytes = math.prod(chunk.sizes) * tensor.element_size()
-                index = MetadataIndex(name, chunk.offsets)
-                reading = None if self._saved is None else self._saved.reading(index, nbytes)
+                reading = self._saved.reading(MetadataIndex(name, chunk.offsets), nbytes)
                 chunks.append(_Chunk(tuple(chunk.offsets) or (0,), tuple(chunk.sizes) or (1,), reading))
-            self._readings[name] = None if any(chunk.reading is None for chunk in chunks) else chunks
+            self._readings[name] = chunks
         return self._readings[name]
 
 
@@ -190,7 +191,6 @@ def _read_rows(chunk: _Chunk, rows: torch.Tensor, first: int, last: int) -> None
     low, high = max(first, offsets[0]), min(last, offsets[0] + sizes[0])
     if low >= high:
         return
-    assert chunk.reading is not None
     region = rows[low - first : high - first]
     for dim in range(1, len(sizes)):
         region = region.narrow(dim, offsets[dim], sizes[dim])
@@ -215,7 +215,7 @@ class _Chunk(NamedTuple):
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    reading: ChunkReading | None
+    reading: ChunkReading
 
 
 class _Window:

@@ -5,7 +5,6 @@ entry's bytes read straight into place, their CRC-32 computed as they arrive and
 from __future__ import annotations
 
 import dataclasses
-import io
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
@@ -46,8 +45,7 @@ class EntryRecord:
         offset: where the entry starts in the file.
         length: its size in bytes.
         crc: the CRC-32 of the whole entry.
-        data_offset: where the bytes of its tensor start in the file (the entry's own offset for a value's bytes);
-            ``-1`` for an archive that earlier releases had ``torch.save`` write (4 GiB or more), read whole.
+        data_offset: where the bytes of its tensor start in the file (the entry's own offset for a value's bytes).
         data_crc: the CRC-32 of those bytes.
     """
 
@@ -112,7 +110,7 @@ def laid_out(target: torch.Tensor, dtype: torch.dtype) -> bool:
 def read_saved_into(f: IO[bytes], record: EntryRecord, target: torch.Tensor, dtype: torch.dtype, where: str) -> bool:
     """Read a saved tensor straight into ``target`` if it is laid out alike in CPU memory; else read nothing and
     return ``False``."""
-    if record.data_offset < 0 or not laid_out(target, dtype):
+    if not laid_out(target, dtype):
         return False
     read_entry(f, record, torch_zip.tensor_bytes(target), where)
     return True
@@ -120,8 +118,6 @@ def read_saved_into(f: IO[bytes], record: EntryRecord, target: torch.Tensor, dty
 
 def read_saved(f: IO[bytes], record: EntryRecord, sizes: Sequence[int], dtype: torch.dtype, where: str) -> torch.Tensor:
     """A saved tensor, read into a new one."""
-    if record.data_offset < 0:  # written by torch.save (4 GiB or more): its archive, read whole
-        return torch.load(io.BytesIO(read_whole(f, record, where)), map_location="cpu", weights_only=True)
     saved = torch.empty(tuple(sizes), dtype=dtype)
     read_entry(f, record, torch_zip.tensor_bytes(saved), where)
     return saved

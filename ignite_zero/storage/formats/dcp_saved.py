@@ -111,8 +111,7 @@ class SavedTensors:
                 index = MetadataIndex(fqn, offsets)
                 if not (isinstance(saved, TensorStorageMetadata) and _holds(saved, offsets, sizes, local)):
                     return None
-                record = self._recorded(index)
-                if record is None or record.data_offset < 0:
+                if self._recorded(index) is None:
                     return None
                 tensors.append((index, local.detach()))
             elif isinstance(saved, BytesStorageMetadata) and not isinstance(value, torch.Tensor):
@@ -125,14 +124,11 @@ class SavedTensors:
         tensors.sort(key=lambda read: self._place_of(read[0]))
         return InPlaceReads(self, state, values, tensors)
 
-    def reading(self, index: MetadataIndex, nbytes: int) -> ChunkReading | None:
+    def reading(self, index: MetadataIndex, nbytes: int) -> ChunkReading:
         """The ``nbytes`` of the saved chunk ``index``'s tensor, to read in parts from first to last, checked once
-        the last arrives; ``None`` where the manifest records the entry as an archive to read whole (earlier
-        releases')."""
+        the last arrives."""
         info = self._metadata.storage_data[index]
         record, where = self._entries.of(info, index.fqn)
-        if record.data_offset < 0:
-            return None
         return ChunkReading(self._open(info.relative_path), record, nbytes, where)
 
     def _recorded(self, index: MetadataIndex) -> EntryRecord | None:

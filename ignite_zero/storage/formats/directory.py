@@ -231,6 +231,7 @@ def verify(where: str | os.PathLike | Place) -> dict[str, Any] | None:
             stacklevel=3,
         )
         return None
+    entry_records(manifest)  # where each entry lies, as a load reads it
     present = place.entries()
     for name, expected in manifest["files"].items():
         if name not in present or present[name]:
@@ -263,16 +264,17 @@ def entry_records(manifest: Mapping[str, Any] | None) -> dict[str, list[EntryRec
     for name, part in records.items():
         end = 0
         for record in sorted(part, key=lambda record: record.offset):
-            data = record.data_offset
-            if (
-                record.offset < end
-                or record.offset + record.length > sizes[name]
-                or record.length < 0
-                or not (data == -1 or record.offset <= data <= record.offset + record.length)
-            ):
+            span = f"[{record.offset}, {record.offset + record.length})"
+            if record.offset < end or record.offset + record.length > sizes[name] or record.length < 0:
                 raise IntegrityError(
-                    f"The manifest records an entry of {name} at [{record.offset}, {record.offset + record.length}) "
-                    f"(data at {data}), outside its {sizes[name]} bytes or over another entry: corrupt or forged"
+                    f"The manifest records an entry of {name} at {span}, outside its {sizes[name]} bytes or over "
+                    "another entry: corrupt or forged"
+                )
+            if not record.offset <= record.data_offset <= record.offset + record.length:
+                raise IntegrityError(
+                    f"The manifest lacks where the data of the entry of {name} at {span} lies (it says "
+                    f"{record.data_offset}, outside the entry), which every manifest that ignite_zero writes records: "
+                    "it is corrupt or not ignite_zero's. Restore the checkpoint from a good copy, or save it again."
                 )
             end = record.offset + record.length
     return records
@@ -501,6 +503,7 @@ class DirectoryReader(Reader):
             check_committed(self.place)
             manifest = read_manifest(self.place)
             if manifest is not None:  # a load checks each entry it reads as it reads it
+                entry_records(manifest)
                 _check_listing(self.place, manifest)
                 summary = f"{len(manifest['files'])} files, sizes match the manifest; entries checked as read"
                 return Verification(True, "manifest", summary, manifest)

@@ -3,8 +3,8 @@ files written and read by us, against DCP's own writer and readers."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
+import json
 import pickle
 import random
 import shutil
@@ -289,15 +289,11 @@ def test_a_corrupt_byte_anywhere_in_an_entry_read_is_caught(tmp_path):
         _load_ours(tmp_path, writer, _blank(state))
 
 
-def test_files_of_several_threads_and_entries_that_earlier_releases_read_whole(tmp_path):
-    """Earlier releases had torch.save write entries of 4 GiB or more and recorded no data offset for them (-1): such
-    entries are read whole, here every entry."""
+def test_files_of_several_threads(tmp_path):
     state = _state()
     writer = PlaceStorageWriter(LocalPlace(tmp_path / "ours"), thread_count=3)
     with sharded.in_one_process():
         dcp.save(state, storage_writer=writer, no_dist=True)
-    for records in writer.records.values():
-        records[:] = [dataclasses.replace(record, data_offset=-1, data_crc=0) for record in records]
     files = sorted(p.name for p in (tmp_path / "ours").iterdir())
     assert files == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
     for name in files[1:]:
@@ -319,6 +315,26 @@ def test_files_of_several_threads_and_entries_that_earlier_releases_read_whole(t
     saved.close()
     with pytest.raises(RuntimeError, match="was closed before this rank read all it loads"):
         saved.read("model.bias")
+
+
+def test_a_manifest_without_where_an_entrys_data_lies_is_refused(tmp_path):
+    """Every manifest records where the data of each entry lies: one that does not (-1) is refused by a load and a
+    verification, never read some other way."""
+    place = LocalPlace(tmp_path / "ours")
+    writer = PlaceStorageWriter(place)
+    with sharded.in_one_process():
+        dcp.save(_state(), storage_writer=writer, no_dist=True)
+    sharded.seal(place, writer.written, writer.records)
+    assert sharded.entry_records(sharded.read_manifest(place)) == writer.records
+    manifest = json.loads(place.read(sharded.MANIFEST))
+    manifest["files"]["__0_0.distcp"]["records"][-1][3] = -1  # the data offset of a tensor's entry
+    place.write(sharded.MANIFEST, lambda f: f.write(json.dumps(manifest).encode()))
+    lacks = r"lacks where the data of the entry of __0_0.distcp at \[\d+, \d+\) lies \(it says -1, .* save it again"
+    with pytest.raises(IntegrityError, match=lacks):
+        sharded.DirectoryReader(place).load(weights_only=True)
+    for whole in (True, False):
+        with pytest.raises(IntegrityError, match=lacks):
+            sharded.DirectoryReader(place).verify(whole)
 
 
 class _Image(io.RawIOBase):
