@@ -30,8 +30,7 @@ class ReadChecks:
 
     A whole record is read and checked by itself, against its CRC-32 in the central directory (no byte more). A part
     of a record is read in the blocks that hold it (:class:`Blocks`), checked against the trailer's table: at most
-    a block more on each side; in a file without that table (written by other tools or older versions), a small
-    record or the whole record.
+    a block more on each side; in a file without trailer (written by other tools), the whole record.
 
     Args:
         source: the file, for messages.
@@ -45,7 +44,7 @@ class ReadChecks:
             trailer = parse_trailer(archive.comment)
         self._starts = [info.header_offset for info in infos]
         self._records = [(info.filename, info.CRC, info.file_size) for info in infos]
-        self.blocks = None if trailer is None else Blocks.from_json(trailer.get("blocks"))
+        self.blocks = None if trailer is None else Blocks.from_json(trailer.get("blocks"), source)
 
     def spans(self, record: int, size: int, start: int, stop: int) -> list[Span]:
         """Each span of the file to read whole to check the bytes ``[start, stop)`` of the record whose data lies at

@@ -126,14 +126,24 @@ class Blocks:
         return {"size": self.size, "end": self.end, "crc32": base64.b64encode(packed).decode()}
 
     @classmethod
-    def from_json(cls, value: Any) -> Blocks | None:
-        """The blocks a trailer lists; ``None`` for a file written before blocks were recorded."""
+    def from_json(cls, value: Any, source: object) -> Blocks:
+        """The blocks that the trailer of the file ``source`` lists (``value``, its ``blocks``).
+
+        Raises:
+            IntegrityError: the trailer lists none, or not as many as the records' bytes take.
+        """
         if not isinstance(value, dict):
-            return None
+            raise IntegrityError(
+                f"{source}: its trailer lacks the CRC-32 of the blocks of its records, which every trailer that "
+                "ignite_zero writes holds: it is corrupt or not ignite_zero's. Restore the file from a good copy, or "
+                "save it again."
+            )
         packed = base64.b64decode(value["crc32"])
         blocks = cls(int(value["size"]), int(value["end"]), struct.unpack(f">{len(packed) // 4}L", packed))
         if len(blocks.crc32) != -(-blocks.end // blocks.size):
-            raise IntegrityError(f"the trailer lists {len(blocks.crc32)} blocks for {blocks.end} bytes: it is corrupt")
+            raise IntegrityError(
+                f"{source}: its trailer lists {len(blocks.crc32)} blocks for {blocks.end} bytes: it is corrupt"
+            )
         return blocks
 
 

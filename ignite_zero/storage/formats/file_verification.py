@@ -70,12 +70,12 @@ def verify_file(
                     )
                     return None
                 _check_layout(stored, f, size, archive, trailer)
-                blocks = Blocks.from_json(trailer.get("blocks"))
-                if records is True and blocks is not None:
+                blocks = Blocks.from_json(trailer.get("blocks"), stored)
+                if records is True:
                     _check_blocks(stored, f, blocks, archive)  # every byte before the directory: records and headers
                     return trailer
                 for record in archive.infolist():
-                    if records is True or (callable(records) and records(record.filename)):
+                    if callable(records) and records(record.filename):
                         _check_record(stored, archive, record)
         except zipfile.BadZipFile as error:
             raise IntegrityError(

@@ -40,3 +40,28 @@ def test_blocks_double_in_size_to_fit_the_zip_comment(monkeypatch):
     assert blocks.size == 16 << 10 and len(blocks.crc32) <= 16  # 1, 2, 4, 8 then 16 KiB: combined, never re-read
     assert blocks.crc32 == _expected_crcs(data, blocks)
     assert torch.load(io.BytesIO(data), weights_only=True)["weight"].shape == (50_000,)
+
+
+def _with_trailer(data, trailer):
+    """The sealed file ``data`` with ``trailer`` in place of its own: the zip comment, and its length before it."""
+    comment = zipfile.ZipFile(io.BytesIO(data)).comment
+    replaced = json.dumps(trailer).encode()
+    return data[: -len(comment) - 2] + len(replaced).to_bytes(2, "little") + replaced
+
+
+def test_a_trailer_without_blocks_is_refused(tmp_path):
+    """Every trailer lists the CRC-32 of the blocks of its records: a file whose trailer does not is refused, whole
+    or in parts, never checked some other way."""
+    data = sealed_bytes({"weight": torch.randn(100_000, generator=torch.Generator().manual_seed(2))})
+    trailer = json.loads(zipfile.ZipFile(io.BytesIO(data)).comment)
+    path = tmp_path / "checkpoint.pt"
+    for blocks in ({}, {"blocks": None}):
+        path.write_bytes(_with_trailer(data, {**{k: v for k, v in trailer.items() if k != "blocks"}, **blocks}))
+        lacks = r"checkpoint.pt: its trailer lacks the CRC-32 of the blocks of its records, .* save it again"
+        for records in (True, lambda name: "/data/" not in name):
+            with pytest.raises(IntegrityError, match=lacks):
+                verify_file(path, records)
+        with open(path, "rb") as f, pytest.raises(IntegrityError, match=lacks):
+            file_reads.ReadChecks(path, f)
+    path.write_bytes(_with_trailer(data, trailer))  # the same bytes: only the trailer made the difference
+    assert path.read_bytes() == data and verify_file(path) == trailer
