@@ -35,7 +35,6 @@ from ignite_zero._compat.fairscale_fsdp import (
     FAIRSCALE_WRAPPER_SEGMENTS,
     FairscaleParamEntry,
     FairscaleShardedParam,
-    FairscaleSharedEntry,
     check_fairscale_fsdp_layout,
     fairscale_fsdp_class,
     fairscale_fsdp_params,
@@ -61,7 +60,6 @@ from ignite_zero._compat.ignite_events import CheckpointEvents
 from ignite_zero._compat.modules import EXTRA_STATE_KEY, TORCH_WRAPPER_SEGMENTS, non_persistent_buffer_names
 from ignite_zero._compat.process_groups import default_store
 from ignite_zero._compat.serialization import (
-    SavedStorage,
     saved_storage,
     serialization_crc32,
     storage_alignment,
@@ -70,7 +68,6 @@ from ignite_zero._compat.serialization import (
 )
 from ignite_zero._compat.sharded_optimizers import (
     consolidated_state_attribute,
-    fairscale_oss_class,
     sharded_optimizer_kind,
     zero_awaits_ddp,
 )
@@ -88,9 +85,7 @@ __all__ = [
     "DcpFsspecWriter",
     "FairscaleParamEntry",
     "FairscaleShardedParam",
-    "FairscaleSharedEntry",
     "FlatParamEntry",
-    "SavedStorage",
     "SharedParamEntry",
     "add_first_event_handler",
     "check_fairscale_fsdp_layout",
@@ -105,7 +100,6 @@ __all__ = [
     "dtensor_block",
     "fairscale_fsdp_class",
     "fairscale_fsdp_params",
-    "fairscale_oss_class",
     "fairscale_release_full_params",
     "fairscale_shares_across_units",
     "fairscale_version",

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 __all__ = [
     "FAIRSCALE_WRAPPER_SEGMENTS",
     "FairscaleParamEntry",
-    "FairscaleSharedEntry",
     "FairscaleShardedParam",
     "check_fairscale_fsdp_layout",
     "fairscale_fsdp_class",

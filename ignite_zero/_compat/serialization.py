@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 __all__ = [
-    "SavedStorage",
     "saved_storage",
     "serialization_crc32",
     "storage_alignment",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["consolidated_state_attribute", "fairscale_oss_class", "sharded_optimizer_kind", "zero_awaits_ddp"]
+__all__ = ["consolidated_state_attribute", "sharded_optimizer_kind", "zero_awaits_ddp"]
 
 
 def fairscale_oss_class() -> type | None:

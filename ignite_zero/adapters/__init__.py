@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ignite_zero import tree
-from ignite_zero.adapters.base import ShardedState, copy_structure
+from ignite_zero.adapters.base import ShardedState
 from ignite_zero.adapters.fairscale_fsdp import (
     FairscaleFSDPModelState,
     FairscaleFSDPOptimizerState,
@@ -47,7 +47,6 @@ __all__ = [
     "ShardedState",
     "ZeROState",
     "adapt",
-    "copy_structure",
     "in_loadable_form",
 ]
 

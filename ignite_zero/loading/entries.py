@@ -17,7 +17,8 @@ from ignite_zero.adapters.zero import as_saved_optimizer_state
 from ignite_zero.storage.formats import Reader
 from ignite_zero.storage.formats.dcp_saved import InPlaceReads, SavedTensor, SavedTensors
 from ignite_zero.storage.formats.directory import DirectoryReader, load, name_of, nest, path_of, read_metadata, template
-from ignite_zero.storage.formats.file import FileReader, is_legacy_format
+from ignite_zero.storage.formats.file import FileReader
+from ignite_zero.storage.formats.file_trailer import is_legacy_format
 
 __all__ = ["ShardedEntry", "entries_for", "entries_of"]
 

@@ -25,7 +25,6 @@ from ignite_zero.storage.savers.sharded import ShardedSaver
 __all__ = [
     "ConsolidatingSaver",
     "DiskSaver",
-    "HandlerSaver",
     "SaveRequest",
     "Saver",
     "ShardedSaver",

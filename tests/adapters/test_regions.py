@@ -46,7 +46,7 @@ from ignite_zero.adapters.regions import Box, Pieces, Region, gather_pieces
 from ignite_zero.storage.formats import consolidation
 from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.formats.consolidation import WINDOW_BYTES
-from ignite_zero.storage.formats.file import verify_file
+from ignite_zero.storage.formats.file_verification import verify_file
 from ignite_zero.transport import DEFAULT_CHUNK_BYTES
 
 

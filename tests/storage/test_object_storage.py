@@ -34,7 +34,7 @@ from ignite_zero import (
     find_latest,
 )
 from ignite_zero.storage.formats import directory as sharded
-from ignite_zero.storage.formats.file import SealingStream
+from ignite_zero.storage.formats.file_trailer import SealingStream
 from ignite_zero.storage.places import RemotePlace, StorageError
 
 pytestmark = pytest.mark.distributed

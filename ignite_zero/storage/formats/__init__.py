@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ignite_zero.storage.formats.base import IntegrityError, Reader, Verification
+from ignite_zero.storage.formats.base import IntegrityError, Reader
 from ignite_zero.storage.formats.directory import DirectoryReader
 from ignite_zero.storage.formats.file import FileReader
 from ignite_zero.storage.places import Place, split
@@ -37,7 +37,6 @@ from ignite_zero.storage.places import Place, split
 __all__ = [
     "IntegrityError",
     "Reader",
-    "Verification",
     "format_for",
     "is_candidate",
     "reader_for",

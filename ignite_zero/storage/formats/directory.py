@@ -61,7 +61,6 @@ __all__ = [
     "check_committed",
     "file_crc",
     "is_committed",
-    "is_sharded_checkpoint",
     "writer_for",
     "load",
     "name_of",
@@ -146,11 +145,6 @@ class _SafeValuesPlanner(DefaultLoadPlanner):
             load_value(value.getbuffer(), f"{self._where}, entry {read_item.dest_index.fqn}", weights_only=True)
             value.seek(0)
         super().load_bytes(read_item, value)
-
-
-def is_sharded_checkpoint(where: str | os.PathLike | Place) -> bool:
-    """Whether ``where`` is a complete DCP checkpoint directory (its ``.metadata`` written)."""
-    return place_of(where).is_file(METADATA)
 
 
 def is_committed(where: str | os.PathLike | Place) -> bool:

@@ -1,8 +1,7 @@
 """The single-file format: torch's zip archive sealed with an integrity trailer (:mod:`~.file_trailer`), read
 whole, mapped, or in checked parts (:mod:`~.file_reads`), and verified (:mod:`~.file_verification`).
 
-:class:`FileReader` reads a consolidated save or a plain ``torch.save`` file; this module also gives the names of the
-format's other modules, where the rest of the package takes them from.
+:class:`FileReader` reads a consolidated save or a plain ``torch.save`` file.
 """
 
 from __future__ import annotations
@@ -30,24 +29,13 @@ from ignite_zero.storage.formats.base import (
     value_entry,
     written_by,
 )
-from ignite_zero.storage.formats.file_reads import FileParts, ReadChecks, Span, read_bytes
-from ignite_zero.storage.formats.file_trailer import Blocks, SealingStream, Stored, is_legacy_format, read_trailer
+from ignite_zero.storage.formats.file_reads import FileParts, ReadChecks, read_bytes
+from ignite_zero.storage.formats.file_trailer import is_legacy_format, read_trailer
 from ignite_zero.storage.formats.file_verification import verify_file
 from ignite_zero.storage.formats.trust import refusing_code
 from ignite_zero.storage.places import READ_BLOCK, SMALL_READ_BLOCK, Place, StoredFile
 
-__all__ = [
-    "Blocks",
-    "FileReader",
-    "IntegrityError",
-    "ReadChecks",
-    "SealingStream",
-    "Span",
-    "Stored",
-    "is_legacy_format",
-    "read_trailer",
-    "verify_file",
-]
+__all__ = ["FileReader"]
 
 
 class FileReader(Reader):

@@ -22,7 +22,7 @@ from ignite_zero import _compat
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.naming import check_filename
 from ignite_zero.storage.formats import torch_zip
-from ignite_zero.storage.formats.file import SealingStream
+from ignite_zero.storage.formats.file_trailer import SealingStream
 from ignite_zero.storage.places import Place
 from ignite_zero.storage.savers.base import SaveRequest
 from ignite_zero.storage.savers.consolidated import ConsolidatingSaver

@@ -27,7 +27,7 @@ from training import assert_state_equal, mixed_objects, small_net, tiny_model, t
 
 from ignite_zero import Checkpoint, DiskSaver, IntegrityError, ShardedSaver, cli
 from ignite_zero.adapters import ZeROState, adapt
-from ignite_zero.storage.formats.file import verify_file
+from ignite_zero.storage.formats.file_verification import verify_file
 
 pytestmark = pytest.mark.distributed
 
