@@ -21,7 +21,7 @@ import math
 import os
 import warnings
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,6 +59,8 @@ __all__ = [
     "DirectoryWriter",
     "DirectoryReader",
     "check_committed",
+    "check_file",
+    "check_unlisted",
     "file_crc",
     "is_committed",
     "writer_for",
@@ -206,11 +208,16 @@ def read_manifest(where: str | os.PathLike | Place) -> dict[str, Any] | None:
     return manifest
 
 
-def verify(where: str | os.PathLike | Place) -> dict[str, Any] | None:
+def verify(where: str | os.PathLike | Place, whole: bool = True) -> dict[str, Any] | None:
     """Check a checkpoint directory against its manifest; return the manifest.
 
     A directory without manifest (written by ``dcp.save`` directly) passes with a warning if its ``.metadata`` is
     there; on an object store, a prefix without manifest is an uncommitted save.
+
+    Args:
+        where: the directory.
+        whole: read every file for its CRC-32; else check their sizes only, for a load that checks each entry as it
+            reads it.
 
     Raises:
         IntegrityError: naming the directory and what differs: an incomplete directory, a missing, truncated or
@@ -226,22 +233,32 @@ def verify(where: str | os.PathLike | Place) -> dict[str, Any] | None:
         )
         return None
     entry_records(manifest)  # where each entry lies, as a load reads it
-    present = place.entries()
+    present = place.file_sizes()
     for name, expected in manifest["files"].items():
-        if name not in present or present[name]:
-            raise IntegrityError(f"{place}: file {name} is missing")
-        size = place.size(name)
-        if size != expected["size"]:
-            raise IntegrityError(f"{place}: file {name} has {size} bytes, {expected['size']} expected (truncated?)")
-        crc = file_crc(place, name)
-        if crc != expected["crc32"]:
-            raise IntegrityError(
-                f"{place}: file {name} is corrupt (CRC-32 {crc:#010x}, {expected['crc32']:#010x} expected)"
-            )
-    unlisted = sorted(name for name in present if name.endswith(".distcp") and name not in manifest["files"])
+        check_file(place, name, expected["size"], expected["crc32"] if whole else None, present)
+    check_unlisted(place, present, manifest["files"])
+    return manifest
+
+
+def check_file(place: Place, name: str, size: int, crc: int | None, present: Mapping[str, int]) -> None:
+    """Raise :class:`IntegrityError` unless the file ``name`` of ``place`` is there with ``size`` bytes (``present``:
+    the sizes of its files, from one listing) and, unless ``crc`` is ``None``, with that CRC-32, read whole."""
+    if name not in present:
+        raise IntegrityError(f"{place}: file {name} is missing")
+    if present[name] != size:
+        raise IntegrityError(f"{place}: file {name} has {present[name]} bytes, {size} expected (truncated?)")
+    if crc is not None:
+        found = file_crc(place, name)
+        if found != crc:
+            raise IntegrityError(f"{place}: file {name} is corrupt (CRC-32 {found:#010x}, {crc:#010x} expected)")
+
+
+def check_unlisted(place: Place, present: Iterable[str], listed: Container[str]) -> None:
+    """Raise :class:`IntegrityError` if a ``.distcp`` file of ``present`` (the files of ``place``) is not among those
+    that its manifest lists."""
+    unlisted = sorted(name for name in present if name.endswith(".distcp") and name not in listed)
     if unlisted:
         raise IntegrityError(f"{place}: files {unlisted} are not in its manifest")
-    return manifest
 
 
 def entry_records(manifest: Mapping[str, Any] | None) -> dict[str, list[EntryRecord]] | None:
@@ -272,21 +289,6 @@ def entry_records(manifest: Mapping[str, Any] | None) -> dict[str, list[EntryRec
                 )
             end = record.offset + record.length
     return records
-
-
-def _check_listing(place: Place, manifest: Mapping[str, Any]) -> None:
-    """Every file of the manifest is there with its size, and no ``.distcp`` file is there that it does not list."""
-    present = place.file_sizes()
-    for name, expected in manifest["files"].items():
-        if name not in present:
-            raise IntegrityError(f"{place}: file {name} is missing")
-        if present[name] != expected["size"]:
-            raise IntegrityError(
-                f"{place}: file {name} has {present[name]} bytes, {expected['size']} expected (truncated?)"
-            )
-    unlisted = sorted(name for name in present if name.endswith(".distcp") and name not in manifest["files"])
-    if unlisted:
-        raise IntegrityError(f"{place}: files {unlisted} are not in its manifest")
 
 
 def file_crc(place: Place, name: str) -> int:
@@ -493,19 +495,13 @@ class DirectoryReader(Reader):
         return self.place.exists()
 
     def verify(self, whole: bool = True) -> Verification:
-        if not whole:
-            check_committed(self.place)
-            manifest = read_manifest(self.place)
-            if manifest is not None:  # a load checks each entry it reads as it reads it
-                entry_records(manifest)
-                _check_listing(self.place, manifest)
-                summary = f"{len(manifest['files'])} files, sizes match the manifest; entries checked as read"
-                return Verification(True, "manifest", summary, manifest)
-        manifest = verify(self.place)
+        manifest = verify(self.place, whole)  # not whole: a load checks each entry it reads as it reads it
         if manifest is None:
             return Verification(False, "manifest", "written by another tool")
-        summary = f"{len(manifest['files'])} files, sizes and CRC-32 match the manifest"
-        return Verification(True, "manifest", summary, manifest)
+        checked = (
+            "sizes and CRC-32 match the manifest" if whole else "sizes match the manifest; entries checked as read"
+        )
+        return Verification(True, "manifest", f"{len(manifest['files'])} files, {checked}", manifest)
 
     def load(self, weights_only: bool, progress: Callable[[int, int], None] | None = None) -> Any:
         """Every entry of the directory, read whole, nested as saved, with dict keys as DCP saves them: strings

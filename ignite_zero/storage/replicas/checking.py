@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ignite_zero.storage.formats.base import IntegrityError
-from ignite_zero.storage.formats.directory import MANIFEST, file_crc, read_manifest
+from ignite_zero.storage.formats.directory import MANIFEST, check_file, check_unlisted, read_manifest
 from ignite_zero.storage.places import Place
 
 __all__ = ["HostCopy", "check_host_copy", "replicated"]
@@ -103,27 +103,25 @@ def check_host_copy(
                     f"({', '.join(kept_by)}): load the checkpoint on every host once to fetch it again"
                 )
             elsewhere[file] = kept_by
-        elif _matches(directory, file, files[file], present[file], strict, verify or strict):
+        elif _matches(directory, file, files[file], present, strict, verify or strict):
             good.append(file)
-    unlisted = sorted(file for file in present if file.endswith(".distcp") and file not in files)
-    if strict and unlisted:
-        raise IntegrityError(f"{directory}: files {unlisted} are not in its manifest")
+    if strict:
+        check_unlisted(directory, present, files)
     return HostCopy(host, list(manifest.get("hosts", [])), int(manifest["replicas"]), files, frozenset(good), elsewhere)
 
 
-def _matches(directory: Place, file: str, record: tuple[int, int], present: int, strict: bool, verify: bool) -> bool:
-    """Whether ``file`` (of ``present`` bytes) matches its ``record`` in the manifest; when ``strict``, raise if not."""
+def _matches(
+    directory: Place, file: str, record: tuple[int, int], present: dict[str, int], strict: bool, verify: bool
+) -> bool:
+    """Whether ``file`` (``present``: the sizes of the files here) matches its ``record`` in the manifest; when
+    ``strict``, raise if not."""
     size, crc = record
-    if present != size:
+    try:
+        check_file(directory, file, size, crc if verify else None, present)
+    except IntegrityError as error:
         if strict:
-            raise IntegrityError(f"{directory}: file {file} has {present} bytes, {size} expected (truncated?)")
+            raise
+        if present[file] == size:  # the size matched: bytes changed on this disk, not a write cut short
+            logger.warning("%s", error)
         return False
-    if not verify:
-        return True
-    found = file_crc(directory, file)
-    if found == crc:
-        return True
-    if strict:
-        raise IntegrityError(f"{directory}: file {file} is corrupt (CRC-32 {found:#010x}, {crc:#010x} expected)")
-    logger.warning("%s is corrupt: its CRC-32 differs from the manifest's", directory.location(file))
-    return False
+    return True
