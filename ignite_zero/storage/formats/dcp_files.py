@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
+    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
@@ -67,7 +68,7 @@ from ignite_zero.storage.formats.dcp_entries import (
 )
 from ignite_zero.storage.places import Place, place_of
 
-__all__ = ["PlaceStorageReader", "PlaceStorageWriter"]
+__all__ = ["PlaceStorageReader", "PlaceStorageWriter", "tensor_nbytes"]
 
 _SUFFIX = ".distcp"
 
@@ -228,17 +229,20 @@ def _split(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
     values = [item for item in items if item.type == WriteItemType.BYTE_IO]
     for n, item in enumerate(values):
         files[n % count].append(item)
-    tensors = sorted((item for item in items if item.type != WriteItemType.BYTE_IO), key=_nbytes, reverse=True)
-    for item in tensors:
+    tensors = [item for item in items if item.type != WriteItemType.BYTE_IO]
+    for item in sorted(tensors, key=lambda item: tensor_nbytes(item.tensor_data), reverse=True):
         smallest = sizes.index(min(sizes))
         files[smallest].append(item)
-        sizes[smallest] += _nbytes(item)
+        sizes[smallest] += tensor_nbytes(item.tensor_data)
     return [part for part in files if part]
 
 
-def _nbytes(item: WriteItem) -> int:
-    assert item.tensor_data is not None
-    return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+def tensor_nbytes(described: object) -> int:
+    """The bytes of the tensor that DCP describes by ``described`` (its metadata, or a write item's data); 0 for
+    anything else (a value's)."""
+    if isinstance(described, (TensorStorageMetadata, TensorWriteData)):
+        return described.size.numel() * described.properties.dtype.itemsize
+    return 0
 
 
 class PlaceStorageReader(StorageReader):

@@ -49,7 +49,7 @@ from ignite_zero.storage.formats.base import (
     written_by,
 )
 from ignite_zero.storage.formats.dcp_entries import METADATA, EntryRecord, metadata_of
-from ignite_zero.storage.formats.dcp_files import PlaceStorageReader, PlaceStorageWriter
+from ignite_zero.storage.formats.dcp_files import PlaceStorageReader, PlaceStorageWriter, tensor_nbytes
 from ignite_zero.storage.formats.dcp_saved import SavedTensors
 from ignite_zero.storage.formats.trust import load_value
 from ignite_zero.storage.places import Place, place_of
@@ -513,7 +513,7 @@ class DirectoryReader(Reader):
         trusted = self.trusted or not weights_only
         metadata = read_metadata(self.place, records, trusted)
         names = list(metadata.state_dict_metadata)
-        sizes = {name: _nbytes(metadata.state_dict_metadata[name]) for name in names}
+        sizes = {name: tensor_nbytes(metadata.state_dict_metadata[name]) for name in names}
         total, done = sum(sizes.values()), 0
         flat: dict[str, Any] = {}
         for batch in _batches(names, sizes):  # the whole state is held at the end; batches only show progress
@@ -589,12 +589,6 @@ class DirectoryReader(Reader):
 
 # What a consolidation reads at a time: the whole state is held at the end, but progress shows batch by batch.
 _BATCH_BYTES = 256 * 2**20
-
-
-def _nbytes(storage: Any) -> int:
-    if isinstance(storage, TensorStorageMetadata):
-        return storage.size.numel() * storage.properties.dtype.itemsize
-    return 0
 
 
 def _batches(names: list[str], sizes: Mapping[str, int]) -> Iterator[list[str]]:
