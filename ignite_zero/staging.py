@@ -20,7 +20,7 @@ import torch
 
 from ignite_zero.pickling import join_tensors, split_tensors
 
-__all__ = ["PINNED_LIMIT", "Stager", "Streams", "current_streams", "on_host"]
+__all__ = ["PINNED_LIMIT", "Stager", "Streams", "current_streams", "on_host", "to_cpu"]
 
 #: The CUDA stream current on each device, by device index.
 Streams = Mapping[int, Any]
@@ -72,6 +72,19 @@ class Stager:
             buffer = self._buffers[(name, index)] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
         buffer.copy_(tensor, non_blocking=tensor.device.type == "cuda")
         return buffer
+
+
+def to_cpu(state: Any) -> Any:
+    """``state`` with its tensors on the CPU: itself where they all are already, else its structure rebuilt around
+    copies (tensors it shares stay shared).
+
+    Raises:
+        TypeError: it holds a tensor without plain strided data (sparse, quantized, meta).
+    """
+    structure, tensors = split_tensors(state)
+    if all(tensor.device.type == "cpu" for tensor in tensors):
+        return state
+    return join_tensors(structure, [tensor.cpu() for tensor in tensors])
 
 
 def current_streams() -> dict[int, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ignite_zero import _compat, transport, tree
+from ignite_zero import _compat, staging, transport
 from ignite_zero.adapters import deferred
 from ignite_zero.adapters.base import ShardedState, copy_structure, group_ranks
 from ignite_zero.transport.groups import cpu_group
@@ -186,7 +186,7 @@ class ZeROState(ShardedState):
         """
         if not _knows_its_partition(self.obj):
             consolidate(self.obj, self.recipient_rank)
-            return {"full": _to_cpu(self.obj.state_dict()) if self.is_recipient else {}}
+            return {"full": staging.to_cpu(self.obj.state_dict()) if self.is_recipient else {}}
         everything = [p for group in self.obj.param_groups for p in group["params"]]
         index_of = {id(p): index for index, p in enumerate(everything)}
         local = self.obj.optim.state_dict()  # keyed by the local optimizer's own parameter order
@@ -333,7 +333,3 @@ def _knows_its_partition(optimizer: Any) -> bool:
     return _compat.sharded_optimizer_kind(optimizer, genuine=True) is not None and not _compat.zero_awaits_ddp(
         optimizer
     )
-
-
-def _to_cpu(state: Any) -> Any:
-    return tree.map_tree(lambda _, value: value.cpu() if isinstance(value, torch.Tensor) else value, state)

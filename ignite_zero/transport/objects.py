@@ -18,6 +18,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ignite_zero.pickling import join_tensors, split_tensors
+from ignite_zero.staging import to_cpu
 from ignite_zero.transport.overlap import Overlap
 from ignite_zero.transport.peers import Ranks, resolve
 from ignite_zero.transport.streams import (
@@ -30,13 +31,6 @@ from ignite_zero.transport.streams import (
 from ignite_zero.transport.wire import PeerError, receive_bytes, send_bytes, send_error
 
 __all__ = ["gather_to", "receive_from", "send_failure", "send_to"]
-
-
-def _to_cpu(obj: Any) -> Any:
-    structure, tensors = split_tensors(obj)  # also applies the senders' checks, so any rank may be the root
-    if all(t.device.type == "cpu" for t in tensors):
-        return obj
-    return join_tensors(structure, [t.cpu() for t in tensors])
 
 
 @dataclass
@@ -194,7 +188,7 @@ def _receive_objects(obj: Any, ranks: Ranks, dst: int, overlap: Overlap | None) 
     else:
         overlap.receive(receivers, ranks.group)
     try:
-        own = _to_cpu(obj)
+        own = to_cpu(obj)  # also applies the senders' checks, so any rank may be the root
     except Exception as error:  # only now: every sender has been drained, so none of them hangs
         failures[ranks.rank] = f"rank {dst}: {type(error).__name__}: {error}"
     if failures:
