@@ -129,10 +129,11 @@ def in_loadable_form(path: str, obj: Any, entry: Any, models: list[nn.Module]) -
     Raises:
         ValueError: the entry names parameters, and none of ``models`` holds the optimizer's parameters.
     """
-    if isinstance(obj, FSDPOptimizerState) and _lists_positions(entry):  # a plain optimizer's file
+    keys = _parameter_keys(entry)
+    if isinstance(obj, FSDPOptimizerState) and keys == "positions":  # a plain optimizer's file
         return plain_optimizer_state_to_full(obj.module, entry)
     optimizer = obj.obj if isinstance(obj, ZeROState) else obj
-    if not (isinstance(optimizer, torch.optim.Optimizer) and _names_parameters(entry)):
+    if not (isinstance(optimizer, torch.optim.Optimizer) and keys == "names"):
         return entry
     model = next((m for m in models if owns_parameters(m, optimizer)), None)
     if model is None:
@@ -144,15 +145,13 @@ def in_loadable_form(path: str, obj: Any, entry: Any, models: list[nn.Module]) -
     return full_optimizer_state_to_plain(model, optimizer, entry)
 
 
-def _lists_positions(entry: Any) -> bool:
+def _parameter_keys(entry: Any) -> str | None:
+    """How a saved optimizer state keys its parameters, by its first param group: ``"positions"`` (a plain
+    optimizer's, all indices), ``"names"`` (an FSDP model's, or ``get_state_dict``'s); ``None`` for another entry."""
     groups = entry.get("param_groups") if isinstance(entry, Mapping) else None
     if not groups or not isinstance(groups[0], Mapping):
-        return False
-    return all(isinstance(p, int) for p in groups[0]["params"])
-
-
-def _names_parameters(entry: Any) -> bool:
-    groups = entry.get("param_groups") if isinstance(entry, Mapping) else None
-    if not groups or not isinstance(groups[0], Mapping):
-        return False
-    return any(isinstance(p, str) for p in groups[0]["params"])
+        return None
+    params = groups[0]["params"]
+    if all(isinstance(p, int) for p in params):
+        return "positions"
+    return "names" if any(isinstance(p, str) for p in params) else None
