@@ -292,7 +292,7 @@ _COMMANDS = {
         description="Read a sharded checkpoint directory entry by entry and write it as one checkpoint file, which "
         "Checkpoint.load_objects reads on any number of ranks or in one process. Memory holds at most "
         f"{WINDOW_BYTES >> 20} MiB of the tensors' rows at a time, plus the non-tensor values, whatever the "
-        "size of the checkpoint (a directory whose manifest records no entries, another tool's, holds its "
+        "size of the checkpoint (a directory without a manifest, written by another tool, holds its "
         "largest tensor). Every entry is checked against the manifest as it is read; the file appears whole "
         "or not at all, and never overwrites.",
         epilog=_exit_status(

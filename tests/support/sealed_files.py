@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ignite_zero.storage.formats import file as integrity
+from ignite_zero.storage.formats import file_trailer
 
 __all__ = ["sealed_bytes"]
 
@@ -14,7 +14,7 @@ __all__ = ["sealed_bytes"]
 def sealed_bytes(state: Any, **facts: Any) -> bytes:
     """``torch.save`` of ``state`` through a sealing stream, sealed with ``facts``: the file's bytes."""
     target = io.BytesIO()
-    stream = integrity.SealingStream(target)
+    stream = file_trailer.SealingStream(target)
     torch.save(state, stream)
     stream.seal(**facts)
     return target.getvalue()

@@ -9,15 +9,15 @@ import torch
 from sealed_files import sealed_bytes
 
 from ignite_zero import _compat
-from ignite_zero.storage.formats import file as integrity
 from ignite_zero.storage.formats import file_reads
+from ignite_zero.storage.formats.base import IntegrityError
 
 
 def test_reads_are_checked_by_whole_records_and_by_blocks_for_parts():
     state = {"big": torch.zeros(200_000), "small": torch.ones(10)}
     for data, has_blocks in ((sealed_bytes(state), True), (_plain_save(state), False)):
         meta = torch.load(io.BytesIO(data), map_location="meta", weights_only=True)
-        checks = integrity.ReadChecks("file", io.BytesIO(data))
+        checks = file_reads.ReadChecks("file", io.BytesIO(data))
         big = _compat.storage_offset_in_file(meta["big"].untyped_storage())
         size = 800_000
         (whole,) = checks.spans(big, size, big, big + size)
@@ -28,7 +28,7 @@ def test_reads_are_checked_by_whole_records_and_by_blocks_for_parts():
             assert all(span.crc32 == zlib.crc32(data[span.start : span.stop]) and span.block for span in part)
         else:  # a file of another tool: the whole record
             assert part == [whole]
-        with pytest.raises(integrity.IntegrityError, match="no record of 5 bytes"):
+        with pytest.raises(IntegrityError, match="no record of 5 bytes"):
             checks.spans(big, 5, big, big + 5)
 
 
@@ -57,18 +57,18 @@ def test_parts_of_a_record_are_read_whole_and_checked_through_short_reads():
         out = bytearray(last - first)
         f = _ShortReads(data)
         file_reads.read_into(
-            f, integrity.ReadChecks("file", f), record, size, record + first, record + last, memoryview(out)
+            f, file_reads.ReadChecks("file", f), record, size, record + first, record + last, memoryview(out)
         )
         assert out == expected[first:last]
     truncated = _ShortReads(data[: record + 200_000])  # the file ends inside the fourth block of the record
-    checks = integrity.ReadChecks("file", _ShortReads(data))
-    with pytest.raises(integrity.IntegrityError, match=r"ends inside the block \[\d+, \d+\) of record '.*data/0'"):
+    checks = file_reads.ReadChecks("file", _ShortReads(data))
+    with pytest.raises(IntegrityError, match=r"ends inside the block \[\d+, \d+\) of record '.*data/0'"):
         file_reads.read_into(
             truncated, checks, record, size, record + 100_000, record + 300_000, memoryview(bytearray(200_000))
         )
     corrupt = bytearray(data)
     corrupt[record + 250_000] ^= 0x01
-    with pytest.raises(integrity.IntegrityError, match=r"the block \[\d+, \d+\) of record '.*data/0' is corrupt"):
+    with pytest.raises(IntegrityError, match=r"the block \[\d+, \d+\) of record '.*data/0' is corrupt"):
         f = _ShortReads(bytes(corrupt))
         file_reads.read_into(
             f, checks, record, size, record + 100_000, record + 300_000, memoryview(bytearray(200_000))

@@ -6,15 +6,17 @@ import json
 import zipfile
 import zlib
 
+import pytest
 import torch
 from sealed_files import sealed_bytes
 
-from ignite_zero.storage.formats import file as integrity
-from ignite_zero.storage.formats import file_trailer
+from ignite_zero.storage.formats import file_reads, file_trailer
+from ignite_zero.storage.formats.base import IntegrityError
+from ignite_zero.storage.formats.file_verification import verify_file
 
 
 def _blocks_of(data):
-    return integrity.Blocks.from_json(json.loads(zipfile.ZipFile(io.BytesIO(data)).comment)["blocks"])
+    return file_trailer.Blocks.from_json(json.loads(zipfile.ZipFile(io.BytesIO(data)).comment)["blocks"], "file")
 
 
 def _expected_crcs(data, blocks):
