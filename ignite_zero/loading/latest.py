@@ -149,13 +149,13 @@ def _newest_first(listings: list[dict[int, dict[str, tuple[int | None, float]]]]
 def _verdict(place: Place, name: str) -> _Verdict | None:
     """What this host holds of the candidate ``name``, verified; ``None`` if nothing. Of a replicated checkpoint,
     the files that verify here; of any other, whether it verifies whole."""
-    # replicas live on node-local disks only: a store that every host sees alike is asked nothing more
-    held = None if place.seen_alike_by_every_host else replicas.check_host_copy(place, name)
-    if held is not None:
-        return _Verdict(held.identity, frozenset(held.files), held.good)
-    reader = format_for(place, name)
     location = place.location(name)
     try:
+        # replicas live on node-local disks only: a store that every host sees alike is asked nothing more
+        held = None if place.seen_alike_by_every_host else replicas.check_host_copy(place, name)
+        if held is not None:
+            return _Verdict(held.identity, frozenset(held.files), held.good)
+        reader = format_for(place, name)
         identity = reader.identity()
         if identity is None:
             return None

@@ -63,7 +63,11 @@ def test_an_uncommitted_sharded_checkpoint_is_skipped(tmp_path):
     data = bytearray(corrupt.read_bytes())
     data[len(data) // 2] ^= 0xFF
     corrupt.write_bytes(bytes(data))
-    assert [found for found, _ in run_ranks(_find, 2, tmp_path)] == [str(tmp_path / "checkpoint_2.dcp")] * 2
+    # and a manifest that is not JSON: that checkpoint is skipped too, never the search ended
+    (tmp_path / "checkpoint_2.dcp" / "ignite_zero.json").write_bytes(b"{not json")
+    results = run_ranks(_find, 2, tmp_path)
+    assert [found for found, _ in results] == [None] * 2
+    assert any("checkpoint_2.dcp/ignite_zero.json is corrupt" in line for line in results[0][1])
 
 
 def test_nothing_valid_is_none(tmp_path):
