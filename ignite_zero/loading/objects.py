@@ -175,7 +175,8 @@ def _check_seers(checkpoint: Any, reader: Reader | None, reports: list[_Report],
 
 
 def _verifies(rank: int, hosts: Hosts, seers: list[int]) -> bool:
-    """One rank per host checks the whole file: the others read the same pages."""
+    """One rank per host checks the checkpoint as a load needs before it reads (each part is then checked as it is
+    read): the others of its host read the same files."""
     return rank == next(r for r in seers if hosts.of(r) == hosts.of(rank))
 
 

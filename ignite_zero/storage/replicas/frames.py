@@ -196,11 +196,6 @@ class Movers:
         if time.monotonic() - since > self._timeout:
             raise self._lost(self._peers[ident])
 
-    def stalled(self) -> bool:
-        """Whether a message has taken longer than the timeout."""
-        now = time.monotonic()
-        return any(now - since > self._timeout for since in list(self._since.values()))
-
     def join(self) -> None:
         """Wait for every thread, giving up on those whose message takes too long (each a failure)."""
         for thread, peer in self._threads:
