@@ -238,7 +238,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             request = dataclasses.replace(request, stream=stream)
             try:
                 self._background.start(
-                    lambda: saver.stage(objects, request),
+                    lambda: self._staged(saver, objects, request),
                     what=decision.filename,
                     ranks=ranks,
                     durable=lambda: self._finish(engine, decision, len(ranks) == 1, number),
@@ -257,6 +257,14 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                     self._tell_failure(error)
                 raise
         self._finish(engine, decision, len(ranks) == 1, number)
+
+    @staticmethod
+    def _staged(saver: Saver, objects: Any, request: SaveRequest) -> Callable[[], None]:
+        """``saver``'s staging of ``objects``, once it checked its directory: what would fail the first save
+        (``require_empty``, say) is raised by the call that makes it, as a synchronous save raises it, not later by
+        :meth:`wait`."""
+        saver.check()
+        return saver.stage(objects, request)
 
     def wait(self) -> None:
         """Block until the asynchronous save in progress, if any, is durable; raise its error if it failed.

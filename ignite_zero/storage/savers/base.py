@@ -85,7 +85,8 @@ class Saver(BaseSaveHandler):
         """Raise now what would make the next save fail on this rank (the writer's directory, say).
 
         Called on every rank of a save of sharded state before the ranks agree on it, so that the agreement raises
-        a failure on every rank at once, instead of this rank alone failing while the others wait for it.
+        a failure on every rank at once, instead of this rank alone failing while the others wait for it; and
+        before an asynchronous save is staged, so that its failure is raised by the call, not by a later wait.
         """
 
     def allow_existing_checkpoints(self) -> None:  # noqa: B027 (an optional hook: most savers refuse nothing)
