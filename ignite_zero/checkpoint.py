@@ -159,7 +159,10 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         saver = None if isinstance(save_handler, (str, Path)) else as_saver(save_handler)
         recipient = resolve_recipient(consolidate_recipient_rank, save_on_rank, saver)
         if isinstance(save_handler, (str, Path)):
-            save_handler = saver = saver_for(save_handler, create_dir=True, save_on_rank=recipient)
+            # the path's checkpoints may be the ones load_latest resumes from: only load_latest can allow them
+            save_handler = saver = saver_for(
+                save_handler, create_dir=True, save_on_rank=recipient, defer_require_empty=True
+            )
         assert saver is not None
         saver.bind(recipient)
         if filename_prefix:

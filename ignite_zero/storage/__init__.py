@@ -43,6 +43,7 @@ def saver_for(place: str | Path, **options: Any) -> Saver:
 
     Args:
         place: the directory.
-        options: the saver's arguments (``create_dir``, ``require_empty``, ``save_on_rank``, ``torch.save``'s).
+        options: the saver's arguments (``create_dir``, ``require_empty``, ``defer_require_empty``,
+            ``save_on_rank``, ``torch.save``'s).
     """
     return DiskSaver(place, **options)

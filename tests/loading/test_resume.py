@@ -4,14 +4,16 @@ it found (``require_empty`` guards fresh runs only), and what would make its fir
 import contextlib
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 from ignite.engine import Engine, Events
 from launcher import attempt, run_ranks
+from saving import idle_engine, save_at
 from training import tiny_model, train_step, zero_adam
 
-from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
+from ignite_zero import Checkpoint, DiskSaver, ModelCheckpoint, ShardedSaver
 
 
 def _training(rank, seed=0):
@@ -169,3 +171,51 @@ def test_on_object_storage_a_resumed_handler_saves_and_a_missing_bucket_fails_at
         assert listed == ["checkpoint_4.pt", "checkpoint_6.pt"] and last == f"{url}/checkpoint_6.pt"
         assert refused[0] == "RankFailureError" and "Bucket 'no-such-bucket'" in refused[1]
         assert "load_latest found no checkpoint of this handler to resume" in refused[1]
+
+
+def _one_process_handler(dirname, kind, **kwargs):
+    """A handler whose saver checks ``require_empty`` at load_latest or its first save: a path's (a string or a
+    Path), or a ShardedSaver asked to."""
+    to_save = {"model": tiny_model()}
+    kinds = {"string": str, "path": Path, "sharded": lambda path: ShardedSaver(path, defer_require_empty=True)}
+    save_handler = kinds[kind](dirname)
+    return to_save, Checkpoint(to_save, save_handler, n_saved=2, **kwargs)
+
+
+@pytest.mark.parametrize(("kind", "async_save"), [("string", False), ("path", True), ("sharded", False)])
+def test_in_one_process_a_handler_of_a_path_resumes_and_saves_into_its_directory(tmp_path, kind, async_save):
+    ext = "dcp" if kind == "sharded" else "pt"
+    engine = idle_engine()
+    _, first = _one_process_handler(tmp_path, kind)
+    for step in (2, 4, 6):
+        save_at(first, engine, step)
+    to_load, resumed = _one_process_handler(tmp_path, kind, async_save=async_save)  # made on a non-empty directory
+    assert resumed.load_latest(to_load) == str(tmp_path / f"model_6.{ext}")
+    for step in (8, 10):
+        save_at(resumed, engine, step)
+    resumed.wait()
+    # the earlier checkpoints count: model_4 went at the first save, model_6 at the second
+    assert resumed.state_dict()["_saved"] == [(8, f"model_8.{ext}"), (10, f"model_10.{ext}")]
+    assert sorted(os.listdir(tmp_path)) == [f"model_10.{ext}", f"model_8.{ext}"]
+
+
+@pytest.mark.parametrize(("kind", "async_save"), [("string", False), ("path", True), ("sharded", False)])
+def test_in_one_process_a_fresh_handler_of_a_path_is_refused_at_its_first_save(tmp_path, kind, async_save):
+    ext = "dcp" if kind == "sharded" else "pt"
+    _, other = _one_process_handler(tmp_path, kind)
+    save_at(other, idle_engine(), 3)
+    _, fresh = _one_process_handler(tmp_path, kind, async_save=async_save)  # no load_latest: a fresh run
+    with pytest.raises(ValueError, match=rf"^Files \['model_3.{ext}'\] with extension '.{ext}' are already present"):
+        save_at(fresh, idle_engine(), 1)  # an asynchronous save too: by the call, not later by wait()
+    fresh.wait()
+    assert os.listdir(tmp_path) == [f"model_3.{ext}"]
+
+
+def test_in_one_process_savers_made_by_the_user_check_require_empty_when_made(tmp_path):
+    (tmp_path / "old.pt").touch()
+    for make in (lambda: DiskSaver(tmp_path), lambda: ModelCheckpoint(tmp_path, "run")):
+        with pytest.raises(ValueError, match=r"^Files \['old.pt'\] with extension '.pt' are already present"):
+            make()
+    (tmp_path / "sharded" / "old.dcp").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"^Files \['old.dcp'\] with extension '.dcp' are already present"):
+        ShardedSaver(tmp_path / "sharded")

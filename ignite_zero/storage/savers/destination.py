@@ -40,6 +40,8 @@ class DirectorySaver(Saver):
         require_empty: bool,
         save_on_rank: int | None,
         storage_options: Mapping[str, Any] | None,
+        *,
+        defer_require_empty: bool = False,
     ) -> None:
         if save_on_rank is not None and (not isinstance(save_on_rank, int) or save_on_rank < 0):
             raise ValueError(f"Argument `save_on_rank` should be a non-negative integer, got {save_on_rank!r}")
@@ -48,6 +50,7 @@ class DirectorySaver(Saver):
         self.dirname = self.place.location()
         self._create_dir = create_dir
         self._require_empty = require_empty
+        self._defer_require_empty = defer_require_empty
         self._rank_given = save_on_rank is not None
         self.save_on_rank = 0 if save_on_rank is None else save_on_rank
         self._prepared = False
@@ -107,12 +110,16 @@ class DirectorySaver(Saver):
     def _prepare_now(self) -> None:
         """The writer's check of its directory when the saver is made, as ignite's ``DiskSaver`` makes it.
 
-        In one process a failure raises here. In a process group it is logged here, and raised by the first save,
-        on every rank (:meth:`check`): raised on the writer alone, it would end that rank (with the process group's
-        store, under ``idist.Parallel``) and leave the others waiting for it at their first save.
+        With ``defer_require_empty``, ``require_empty`` is left to :meth:`check` (``load_latest``'s, which may
+        allow the run's own checkpoints first) or to the first save. In one process a failure raises here. In a
+        process group it is logged here, and raised by the first save, on every rank (:meth:`check`): raised on the
+        writer alone, it would end that rank (with the process group's store, under ``idist.Parallel``) and leave
+        the others waiting for it at their first save.
         """
         try:
-            self._prepare()
+            self._make_directory()
+            if not self._defer_require_empty:
+                self._check_empty()
         except Exception as error:
             if rank_and_world()[1] == 1:
                 raise
@@ -123,20 +130,31 @@ class DirectorySaver(Saver):
             )
 
     def _prepare(self) -> None:
+        """On the writer: the directory exists (or is created), and ``require_empty`` holds."""
+        self._make_directory()
+        self._check_empty()
+
+    def _make_directory(self) -> None:
         if self._prepared or not self.is_writer:
             return
         if self._create_dir:
             self.place.make()
         elif not self.place.exists():
             raise ValueError(f"Directory path '{self.dirname}' is not found; create it or pass `create_dir=True`")
-        if self._require_empty:
-            matched = self.list()
-            if matched:
-                raise ValueError(
-                    f"Files {matched} with extension '.{self.ext}' are already present in the directory "
-                    f"{self.dirname}. If you want to use this directory anyway, pass `require_empty=False`."
-                )
         self._prepared = True
+
+    def _check_empty(self) -> None:
+        """On the writer, once: ``require_empty`` holds. Not again once it held, for the directory then holds this
+        saver's own checkpoints."""
+        if not self._require_empty or not self.is_writer:
+            return
+        matched = self.list()
+        if matched:
+            raise ValueError(
+                f"Files {matched} with extension '.{self.ext}' are already present in the directory "
+                f"{self.dirname}. If you want to use this directory anyway, pass `require_empty=False`."
+            )
+        self._require_empty = False
 
     def _remove_temporaries(self) -> dict[str, bool]:
         """Remove what interrupted saves left; return what the directory holds then (names, whether directories).

@@ -67,6 +67,10 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
             without ``mmap``.
         storage_options: options of the URL's file system (for S3: ``endpoint_url``, ``key``, ``secret``...),
             as fsspec takes them; for URLs only.
+        defer_require_empty: if True, ``require_empty`` is checked by
+            :meth:`Checkpoint.load_latest <ignite_zero.Checkpoint.load_latest>`, after it allowed the checkpoints
+            it resumed from, or else by the first save; not when the saver is made, where ignite's checks it. What
+            a :class:`~ignite_zero.Checkpoint` given a path makes.
 
     Differences from ignite's ``DiskSaver``, deliberate: the file and its directory are flushed to disk
     before the rename; new files get mode ``0o666 & ~umask`` (ignite adds group and world read); file names
@@ -96,12 +100,16 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         require_empty: bool = True,
         save_on_rank: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        *,
+        defer_require_empty: bool = False,
         **kwargs: Any,
     ) -> None:
         self._atomic = atomic
         self.kwargs = kwargs
         self._arriving: _Arriving | None = None  # during a save whose tensors' bytes are not all in their memory yet
-        super().__init__(dirname, create_dir, require_empty, save_on_rank, storage_options)
+        super().__init__(
+            dirname, create_dir, require_empty, save_on_rank, storage_options, defer_require_empty=defer_require_empty
+        )
 
     def writes_here(self, request: SaveRequest) -> bool:
         return self.is_writer

@@ -77,6 +77,9 @@ class ShardedSaver(DirectorySaver):
             as fsspec takes them; for URLs only.
         replicas: copies of each rank's files on other hosts, for a ``dirname`` on node-local disks; 0 (default)
             for a directory that every rank shares.
+        defer_require_empty: if True, ``require_empty`` is checked by
+            :meth:`Checkpoint.load_latest <ignite_zero.Checkpoint.load_latest>`, after it allowed the checkpoints
+            it resumed from, or else by the first save; not when the saver is made.
 
     Examples:
         .. code-block:: python
@@ -103,6 +106,8 @@ class ShardedSaver(DirectorySaver):
         thread_count: int = 1,
         storage_options: Mapping[str, Any] | None = None,
         replicas: int = 0,
+        *,
+        defer_require_empty: bool = False,
     ) -> None:
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"Argument `thread_count` should be a positive integer, got {thread_count!r}")
@@ -112,7 +117,9 @@ class ShardedSaver(DirectorySaver):
         self.replicas = replicas
         #: what the commits of this saver keep from one save to the next (the hosts of the ranks, DCP's plans...)
         self.kept = KeptBetweenSaves()
-        super().__init__(dirname, create_dir, require_empty, save_on_rank, storage_options)
+        super().__init__(
+            dirname, create_dir, require_empty, save_on_rank, storage_options, defer_require_empty=defer_require_empty
+        )
 
     @property
     def is_writer(self) -> bool:
