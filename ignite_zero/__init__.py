@@ -10,10 +10,11 @@ from ignite_zero.adapters import (
     ZeROState,
 )
 from ignite_zero.agreement import DEFAULT_SYNC_TIMEOUT, CollectiveTimeoutError, RankFailureError
-from ignite_zero.checkpoint import Checkpoint, ModelCheckpoint
+from ignite_zero.checkpoint import Checkpoint
 from ignite_zero.exporting import export
 from ignite_zero.handlers import ConsolidateZeROHandler, SaveOnSignal
 from ignite_zero.loading.latest import find_latest
+from ignite_zero.model_checkpoint import ModelCheckpoint
 from ignite_zero.rng import RandomState
 from ignite_zero.sampling import ResumableDistributedSampler
 from ignite_zero.storage import DiskSaver, ShardedSaver

@@ -40,14 +40,13 @@ from ignite_zero.agreement import (
 )
 from ignite_zero.loading.latest import find_latest
 from ignite_zero.loading.objects import restore
-from ignite_zero.loading.resume import checked_and_listed, retention_until
+from ignite_zero.loading.resume import ready_to_save_after, retention_until
 from ignite_zero.naming import check_filename, read_name
 from ignite_zero.save_ranks import check_entry_names, entry_names, resolve_recipient, sharing_ranks
 from ignite_zero.storage import Saver, SaveRequest, as_saver, replicas, saver_for
-from ignite_zero.storage.places import place_of
 from ignite_zero.storage.savers.background import BackgroundSaves
 
-__all__ = ["Checkpoint", "ModelCheckpoint"]
+__all__ = ["Checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +154,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         async_save: bool = False,
     ) -> None:
         if isinstance(to_save, Mapping):
-            _check_objects(to_save, "state_dict")
+            tree.check_methods(to_save, "state_dict")
         saver = None if isinstance(save_handler, (str, Path)) else as_saver(save_handler)
         recipient = resolve_recipient(consolidate_recipient_rank, save_on_rank, saver)
         if isinstance(save_handler, (str, Path)):
@@ -468,21 +467,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
                 checkpoint.load_latest(to_save)  # a fresh run, or a restarted one: the same code
                 trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpoint)
 
-            Two tiers: a fast one on each node's own disk every few iterations, kept on two hosts (see
-            :class:`~ignite_zero.ShardedSaver`'s ``replicas``), and a durable one (a shared directory, or an object
-            store's ``"s3://bucket/run"``) every epoch; a run resumes from the newest valid checkpoint of either:
-
-            .. code-block:: python
-
-                from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
-
-                fast = Checkpoint(to_save, ShardedSaver("local/ckpt", replicas=1, require_empty=False), n_saved=2)
-                durable = Checkpoint(to_save, DiskSaver("shared/ckpt", require_empty=False), n_saved=2)
-                trainer.add_event_handler(Events.ITERATION_COMPLETED(every=2), fast)
-                trainer.add_event_handler(Events.EPOCH_COMPLETED, durable)
-                # every run, fresh or restarted, on every rank:
-                fast.load_latest(to_save, places=["local/ckpt", "shared/ckpt"])
-                trainer.run(loader, max_epochs=3)
+            Two tiers, a fast node-local one and a durable one, searched together: see :ref:`two-tiers`.
 
         .. versionadded:: 0.1.0
         """
@@ -491,12 +476,9 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         name = "" if found is None else Path(found).name
         # one of another kind there (the run changed savers) is resumed as another tier's: retention leaves it be
         own = found is not None and str(self.saver.location(name)) == found and name.endswith(f".{self.ext}")
-        searched_own = places is None or str(self.saver.directory) in {
-            str(place_of(place, options).location()) for place in places
-        }
-        if found is not None and searched_own:  # its checkpoints there are this run's, whichever tier is newest
-            self.saver.allow_existing_checkpoints()
-        listed = checked_and_listed(self.saver, self.sync_timeout, context=self._resume_context(found, searched_own))
+        listed = ready_to_save_after(
+            self.saver, found, places, options, filename_prefix=self.filename_prefix, timeout=self.sync_timeout
+        )
         if found is None:
             return None
         kwargs.setdefault("sync_timeout", self.sync_timeout)
@@ -506,21 +488,6 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         type(self).load_objects(to_load=to_load, checkpoint=found, **kwargs)
         self._retain(retention_until(name, listed, own=own, priority_in=self._priority_in, n_saved=self.n_saved))
         return found
-
-    def _resume_context(self, found: str | None, searched_own: bool) -> str:
-        """How :meth:`load_latest` left this handler's directory, for an error of its saver's check."""
-        if found is not None and searched_own:
-            return f"load_latest resumes {found}, but this handler cannot save after it"
-        if found is not None:
-            return (
-                f"load_latest resumes {found}, and this handler's own directory, {self.saver.directory}, is not among "
-                "`places`: its saves start afresh there (add it to `places` if its checkpoints are this run's)"
-            )
-        prefix = self.filename_prefix and f" (it looks for names that start with '{self.filename_prefix}_')"
-        return (
-            f"load_latest found no checkpoint of this handler to resume{prefix}, so its saves start afresh (if the "
-            "checkpoints there are this run's, give the handler the `filename_prefix` they were saved with)"
-        )
 
     def _find_latest(self, places: Sequence[str | Path] | None, options: Mapping[str, Any] | None) -> str | None:
         """:func:`~ignite_zero.find_latest` in ``places``, else in this handler's directory, once its own save in
@@ -628,7 +595,7 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             raise TypeError(f"Argument checkpoint should be a string or a dictionary, but given {type(checkpoint)}")
         if not isinstance(to_load, Mapping):
             raise TypeError(f"Argument `to_load` should be a dictionary, but given {type(to_load)}")
-        _check_objects(to_load, "load_state_dict")
+        tree.check_methods(to_load, "load_state_dict")
         restore(
             to_load,
             checkpoint,
@@ -637,107 +604,6 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
             storage_options=storage_options,
             kwargs=kwargs,
         )
-
-
-class ModelCheckpoint(Checkpoint):
-    """Drop-in for :class:`ignite.handlers.ModelCheckpoint`: a :class:`Checkpoint` writing with a
-    :class:`~ignite_zero.DiskSaver`, given ``to_save`` when attached.
-
-    Args:
-        dirname: directory in which checkpoints are written.
-        filename_prefix: prefix of the file names.
-        score_function: ``engine -> number``; the highest scores are kept.
-        score_name: name of the score in file names.
-        n_saved: how many files to keep; ``None`` keeps all.
-        atomic: write to a temporary file and rename it (default).
-        require_empty: raise if ``dirname`` already holds ``.pt`` files.
-        create_dir: create ``dirname`` if needed.
-        global_step_transform: ``(engine, event_name) -> int`` global step for file names.
-        filename_pattern: pattern of file names.
-        include_self: also save this handler's own state.
-        greater_or_equal: keep the latest of equally scored checkpoints.
-        save_on_rank: ignite's name for the writing rank.
-        consolidate_recipient_rank: rank that receives the consolidated state and writes it.
-        sync_timeout: seconds every rank waits for the others to reach the same save.
-        async_save: save in the background (see :class:`Checkpoint`).
-        kwargs: keyword arguments of :func:`torch.save`.
-
-    Examples:
-        .. code-block:: python
-
-            from ignite_zero import ModelCheckpoint
-
-            handler = ModelCheckpoint("models", "run", n_saved=2, require_empty=False)
-            trainer.add_event_handler(Events.EPOCH_COMPLETED, handler, {"model": model, "optimizer": optimizer})
-
-    .. versionadded:: 0.1.0
-    """
-
-    def __init__(
-        self,
-        dirname: str | Path,
-        filename_prefix: str = "",
-        score_function: Callable | None = None,
-        score_name: str | None = None,
-        n_saved: int | None = 1,
-        atomic: bool = True,
-        require_empty: bool = True,
-        create_dir: bool = True,
-        global_step_transform: Callable | None = None,
-        filename_pattern: str | None = None,
-        include_self: bool = False,
-        greater_or_equal: bool = False,
-        save_on_rank: int | None = None,
-        *,
-        consolidate_recipient_rank: int | None = None,
-        sync_timeout: float = DEFAULT_SYNC_TIMEOUT,
-        async_save: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        recipient = resolve_recipient(consolidate_recipient_rank, save_on_rank, None)
-        saver = saver_for(
-            dirname, atomic=atomic, create_dir=create_dir, require_empty=require_empty, save_on_rank=recipient, **kwargs
-        )
-        super().__init__(
-            to_save={},
-            save_handler=saver,
-            filename_prefix=filename_prefix,
-            score_function=score_function,
-            score_name=score_name,
-            n_saved=n_saved,
-            global_step_transform=global_step_transform,
-            filename_pattern=filename_pattern,
-            include_self=include_self,
-            greater_or_equal=greater_or_equal,
-            consolidate_recipient_rank=recipient,
-            sync_timeout=sync_timeout,
-            async_save=async_save,
-        )
-
-    @property
-    def last_checkpoint(self) -> str | Path | None:
-        if not self._retained():
-            return None
-        if self.saver.directory is None:
-            raise RuntimeError(f"Internal error, save_handler should be DiskSaver, but has {type(self.save_handler)}.")
-        return super().last_checkpoint
-
-    def __call__(self, engine: Engine, to_save: Mapping) -> None:  # type: ignore[override]
-        if len(to_save) == 0:
-            raise RuntimeError("No objects to checkpoint found.")
-        _check_objects(to_save, "state_dict")
-        self.to_save = to_save
-        super().__call__(engine)
-
-
-def _check_objects(objects: Mapping, method: str) -> None:
-    for path, obj in tree.leaves(objects):
-        if not callable(getattr(obj, method, None)):
-            raise TypeError(  # ignite's message first: code that matches it keeps working
-                f"Object {type(obj)} should have `{method}` method: object {tree.describe(path)} of type "
-                f"{type(obj).__name__} has none, and every object to checkpoint needs `state_dict` and "
-                "`load_state_dict`."
-            )
 
 
 def _summary(decision: _SaveDecision | None) -> str:

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["OMIT", "Path", "describe", "get", "leaves", "map_tree"]
+__all__ = ["OMIT", "Path", "check_methods", "describe", "get", "leaves", "map_tree"]
 
 Path = tuple[Any, ...]
 
@@ -83,3 +83,14 @@ def get(tree: Any, path: Path) -> Any:
 def describe(path: Path) -> str:
     """A path as it reads in messages: ``['models'][0]``."""
     return "".join(f"[{step!r}]" for step in path)
+
+
+def check_methods(objects: Mapping, method: str) -> None:
+    """Raise ``TypeError`` naming the first leaf of ``objects`` that has no callable ``method``."""
+    for path, obj in leaves(objects):
+        if not callable(getattr(obj, method, None)):
+            raise TypeError(  # ignite's message first: code that matches it keeps working
+                f"Object {type(obj)} should have `{method}` method: object {describe(path)} of type "
+                f"{type(obj).__name__} has none, and every object to checkpoint needs `state_dict` and "
+                "`load_state_dict`."
+            )

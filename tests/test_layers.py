@@ -20,6 +20,7 @@ LAYERS: list[set[str]] = [
     {"storage"},
     {"loading", "save_ranks"},
     {"checkpoint", "exporting"},
+    {"model_checkpoint"},
     {"handlers", "cli"},
     {"__main__", "ignite_zero"},
 ]

@@ -3,19 +3,32 @@ and the checkpoints it keeps once the newest valid one is loaded."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
-from ignite_zero.agreement import settle
+from ignite_zero.agreement import together
 from ignite_zero.naming import global_step_of
 from ignite_zero.storage import Saver
+from ignite_zero.storage.places import place_of
 
-__all__ = ["checked_and_listed", "retention_until"]
+__all__ = ["ready_to_save_after", "retention_until"]
 
 
-def checked_and_listed(saver: Saver, timeout: float, *, context: str) -> list[str]:
-    """What would make ``saver``'s next save fail, raised now on every rank (its :meth:`~Saver.check`, the message
-    led by ``context``: how the resume left its directory), else every name that any rank lists in its directory,
-    sorted; a collective.
+def ready_to_save_after(
+    saver: Saver,
+    found: str | None,
+    places: Sequence[str | Path] | None,
+    options: Mapping[str, Any] | None,
+    *,
+    filename_prefix: str,
+    timeout: float,
+) -> list[str]:
+    """Make ``saver`` ready to save after :meth:`~ignite_zero.Checkpoint.load_latest` found ``found`` in ``places``
+    (its own directory where ``None``): its checkpoints there are this run's, whichever tier is newest, so
+    ``require_empty`` lets them be. Then what would make its next save fail is raised now on every rank (its
+    :meth:`~Saver.check`, led by how the resume left its directory), else every name that any rank lists in its
+    directory is returned, sorted; a collective.
 
     Node-local directories differ (a replaced host's is nearly empty), and retention taken from one of them alone
     would never remove the older checkpoints that only the others hold.
@@ -23,26 +36,46 @@ def checked_and_listed(saver: Saver, timeout: float, *, context: str) -> list[st
     Raises:
         RankFailureError: the check failed on some rank (without a process group, its own error, in context).
     """
-    failure: BaseException | None = None
-    listing: list[str] = []
-    try:
-        saver.check()
-        listing = saver.list()
-    except Exception as error:
-        failure = _in_context(error, context)
-    listings = settle(failure, what="check of the saver before resuming", timeout=timeout, payload=listing)
-    return sorted({listed for listing in listings for listed in listing})
+    searched_own = places is None or str(saver.directory) in {str(place_of(p, options).location()) for p in places}
+    if found is not None and searched_own:
+        saver.allow_existing_checkpoints()
+    context = _resume_context(found, searched_own, saver.directory, filename_prefix)
+    with together("check of the saver before resuming", timeout=timeout) as listing:
+        try:
+            saver.check()
+        except Exception as error:
+            placed = _in_context(error, context)
+            if placed is None:
+                raise
+            raise placed from error
+        listing.payload = saver.list()
+    return sorted({listed for names in listing.payloads for listed in names})
 
 
-def _in_context(error: Exception, context: str) -> BaseException:
-    """``error`` of the same type, its message led by ``context``; ``error`` itself where its type takes other
-    arguments."""
+def _resume_context(found: str | None, searched_own: bool, directory: Any, filename_prefix: str) -> str:
+    """How the resume left a handler's ``directory`` after finding ``found`` (``searched_own``: among the places
+    it searched), to lead an error of its saver's check."""
+    if found is not None and searched_own:
+        return f"load_latest resumes {found}, but this handler cannot save after it"
+    if found is not None:
+        return (
+            f"load_latest resumes {found}, and this handler's own directory, {directory}, is not among `places`: "
+            "its saves start afresh there (add it to `places` if its checkpoints are this run's)"
+        )
+    prefix = filename_prefix and f" (it looks for names that start with '{filename_prefix}_')"
+    return (
+        f"load_latest found no checkpoint of this handler to resume{prefix}, so its saves start afresh (if the "
+        "checkpoints there are this run's, give the handler the `filename_prefix` they were saved with)"
+    )
+
+
+def _in_context(error: Exception, context: str) -> Exception | None:
+    """An error of ``error``'s type, its message led by ``context``; ``None`` where the type takes other arguments
+    (it is then raised as it is)."""
     try:
-        placed = type(error)(f"{context}: {error}")
-    except Exception:  # a type that cannot be built from a message alone keeps its own
-        return error
-    placed.__cause__ = error
-    return placed
+        return type(error)(f"{context}: {error}")
+    except Exception:
+        return None
 
 
 def retention_until(

@@ -410,10 +410,10 @@ EXAMPLES: dict[str, Example] = {
     "ignite_zero.storage.savers.sharded.ShardedSaver": Example(2, zero, ("ckpt/checkpoint_3.dcp/ignite_zero.json",)),
     "ignite_zero.checkpoint.Checkpoint": Example(2, zero, ("ckpt/checkpoint_2.pt", "ckpt/checkpoint_3.pt")),
     "ignite_zero.checkpoint.Checkpoint.load_latest": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
-    "ignite_zero.checkpoint.Checkpoint.load_latest#2": Example(
+    "docs/several-hosts.rst: Two tiers": Example(
         2, zero, ("local/ckpt/checkpoint_2.dcp/ignite_zero.json", "shared/ckpt/checkpoint_3.pt")
     ),
-    "ignite_zero.checkpoint.ModelCheckpoint": Example(0, plain, ("models/run_checkpoint_2.pt",)),
+    "ignite_zero.model_checkpoint.ModelCheckpoint": Example(0, plain, ("models/run_checkpoint_2.pt",)),
     "ignite_zero.loading.latest.find_latest": Example(2, _saved(zero, "ckpt"), check=_found_the_saved_file),
     "ignite_zero.exporting.export": Example(0, _saved(plain, "ckpt"), ("hf/model/model.safetensors",), _bf16_weights),
     "ignite_zero.rng.RandomState": Example(2, zero, ("ckpt/checkpoint_2.pt",)),
