@@ -30,7 +30,7 @@ from ignite_zero._compat.dcp import (
     dcp_metadata_globals,
     dcp_storage_info,
 )
-from ignite_zero._compat.dtensor import dtensor_block, unsupported_placement
+from ignite_zero._compat.dtensor import dtensor_block, dtensor_local, unsupported_placement
 from ignite_zero._compat.fairscale_fsdp import (
     FAIRSCALE_WRAPPER_SEGMENTS,
     FairscaleParamEntry,
@@ -98,6 +98,7 @@ __all__ = [
     "dcp_storage_info",
     "default_store",
     "dtensor_block",
+    "dtensor_local",
     "fairscale_fsdp_class",
     "fairscale_fsdp_params",
     "fairscale_release_full_params",

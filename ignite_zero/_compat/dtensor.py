@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["dtensor_block", "unsupported_placement"]
+__all__ = ["dtensor_block", "dtensor_local", "unsupported_placement"]
 
 
 def dtensor_block(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -29,6 +29,12 @@ def dtensor_block(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if key not in blocks:
         blocks[key] = _dtensor_block(tensor.shape, mesh, tensor.placements)
     return blocks[key]
+
+
+def dtensor_local(tensor: Any) -> Any:
+    """This rank's local tensor of the DTensor ``tensor``, as ``to_local()`` returns it but without its autograd
+    function, whose cost shows in every save of many small tensors; only to read its layout and size."""
+    return tensor._local_tensor
 
 
 # A model has few distinct shapes and layouts, so torch's computation, slow enough to show in every load, is kept by

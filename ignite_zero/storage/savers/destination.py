@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ignite_zero import tree
+from ignite_zero import _compat, tree
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.naming import check_filename
 from ignite_zero.storage.places import Place, place_of
@@ -202,7 +202,7 @@ def serialized_size(obj: Any) -> int:
 
     def tensors_of(value: Any) -> list[torch.Tensor]:
         if isinstance(value, DTensor):
-            return [value.to_local()]
+            return [_compat.dtensor_local(value)]
         if callable(getattr(value, "local_shards", None)):  # a ShardedTensor: this rank's shards are its part
             return [shard.tensor for shard in value.local_shards()]
         return [value] if isinstance(value, torch.Tensor) else []
