@@ -57,7 +57,15 @@ def map_tree(
 def leaves(tree: Any, *, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[Path, Any]]:
     """Every ``(path, leaf)`` of ``tree``, depth first, in order."""
     found: list[tuple[Path, Any]] = []
-    map_tree(lambda path, leaf: found.append((path, leaf)), tree, is_leaf=is_leaf)
+
+    def walk(node: Any, path: Path) -> None:  # not through map_tree: no tree of the same shape is built
+        if not _is_container(node) or (is_leaf is not None and is_leaf(node)):
+            found.append((path, node))
+            return
+        for key, value in node.items() if isinstance(node, Mapping) else enumerate(node):
+            walk(value, (*path, key))
+
+    walk(tree, ())
     return found
 
 
