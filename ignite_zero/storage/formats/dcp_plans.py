@@ -8,8 +8,10 @@ with the same planner (``DefaultSavePlanner``) and storage writer, in DCP's orde
 preparation round and every rank makes the global plans from every rank's offer itself: planning is deterministic, and
 each rank needs its own plan and the coordinator the metadata. The directory is the one ``dcp.save`` writes.
 
-Plans are kept between saves, as DCP's ``enable_plan_caching`` keeps them: a rank whose local plan did not change offers
-none, and where no rank's did, the kept global plans and metadata are reused, sparing the global planning and the
+Plans are kept between saves, as DCP's ``enable_plan_caching`` keeps them, but without making them again to find out
+whether they changed: a rank keeps its local plan while its state's layout holds (the names, shapes, strides, dtypes,
+placements and meshes that the plan depends on, cheaper to compare than a plan to make), and offers none while it
+does, and where no rank's did, the kept global plans and metadata are reused, sparing the global planning and the
 pickling of plans. Every agreement on plans is numbered alike on every rank; a rank offers its number with its plan, so
 that ranks that kept plans from different agreements (a round that failed on some ranks only, a saver used by other
 ranks) are found out, and plan afresh.
@@ -26,11 +28,15 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
+
+from ignite_zero import _compat
 
 __all__ = ["Offer", "SavePlanning", "as_saved"]
 
@@ -38,6 +44,26 @@ __all__ = ["Offer", "SavePlanning", "as_saved"]
 def as_saved(state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` as DCP saves it: its ``Stateful`` values by their state dicts."""
     return {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
+
+
+def _state_layout(planner: DefaultSavePlanner) -> list[Any] | None:
+    """What the local plan of ``planner``'s flattened state depends on, entry by entry; ``None`` where it cannot be
+    told cheaply (a ``ShardedTensor``, another object that plans its own writes): that state is planned every save."""
+    layout: list[Any] = [torch.is_grad_enabled(), planner.mappings]
+    for name, value in planner.state_dict.items():
+        if type(value) is DTensor:
+            local = _compat.dtensor_local(value)
+            described: tuple[Any, ...] = (value.shape, value.stride(), value.dtype, value.requires_grad)
+            mesh = (value.placements, value.device_mesh, local.shape, local.requires_grad, local.is_pinned())
+            layout.append((name, *described, *mesh))
+        elif hasattr(value, "__create_write_items__") or hasattr(value, "local_shards"):
+            return None
+        elif isinstance(value, torch.Tensor):
+            described = (value.shape, value.stride(), value.dtype, value.layout, value.requires_grad)
+            layout.append((name, *described, value.is_pinned()))
+        else:  # written pickled, whatever it holds
+            layout.append(name)
+    return layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +107,7 @@ class SavePlanning:
         self._latest = 0
         self._planner: DefaultSavePlanner | None = None
         self._local_plan: SavePlan | None = None
+        self._planned: tuple[list[Any], SavePlan] | None = None  # the layout of the last local plan made, and that plan
         self._members: tuple[int, ...] = ()
         self._position = 0
 
@@ -116,7 +143,13 @@ class SavePlanning:
         planner.set_up_planner(dict(state), storage_meta=writer.storage_meta(), is_coordinator=self.is_coordinator)
         writer.set_up_storage_writer(self.is_coordinator, rank=self._position, use_collectives=True)
         self._planner = planner
-        self._local_plan = writer.prepare_local_plan(planner.create_local_plan())
+        layout = _state_layout(planner)
+        if layout is not None and self._planned is not None and self._planned[0] == layout:
+            local_plan = self._planned[1]
+        else:
+            local_plan = planner.create_local_plan()
+            self._planned = None if layout is None else (layout, local_plan)
+        self._local_plan = writer.prepare_local_plan(local_plan)
         kept = self._kept
         if kept is None or (kept.members, kept.position) != (self._members, self._position):
             return self.full_offer()

@@ -1,8 +1,10 @@
 """DCP's save plans as ranks agree on them (ignite_zero.storage.formats.dcp_plans): each rank's own planning, given
 the offers that a round of the saver shares, here handed over in one process; the saves that go through real rounds
-are in test_sharded.py."""
+are in test_sharded.py, and here the kept plans of real saves, read back by DCP's own reader."""
 
+import pytest
 import torch
+from launcher import run_ranks
 
 from ignite_zero.storage.formats.dcp_files import PlaceStorageWriter
 from ignite_zero.storage.formats.dcp_plans import SavePlanning
@@ -95,3 +97,42 @@ def test_an_agreement_is_kept_for_the_same_position_among_the_same_ranks_only(tm
     assert planning.make_global_plans(offers, writer)
     moved = planning.offer(state, writer, [0, 1], 1)  # the process is another rank of the same job now
     assert moved.plan is not None and moved.kept == 0
+
+
+def _save_as_the_layout_changes(rank, world_size, dirname):
+    """Saves of a DTensor and of each rank's own tensor under the same names, the layout now kept, now changed (on one
+    rank alone, then placements, dtype and shape), each read back by DCP's own reader; for each save after the first,
+    whether this rank kept the global plan of the one before."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from ignite_zero import ShardedSaver
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    saver = ShardedSaver(dirname)
+    layouts = [  # placements, dtype, shape, length of rank 1's own tensor
+        ([Shard(0)], torch.float32, (4, 6), 3),
+        ([Shard(0)], torch.float32, (4, 6), 3),
+        ([Shard(0)], torch.float32, (4, 6), 5),
+        ([Shard(1)], torch.float32, (4, 6), 5),
+        ([Replicate()], torch.float32, (4, 6), 5),
+        ([Replicate()], torch.float64, (4, 6), 5),
+        ([Replicate()], torch.float64, (6, 4), 5),
+    ]
+    plans = []
+    for step, (placements, dtype, shape, length) in enumerate(layouts):
+        full = (torch.arange(24) * (step + 1)).to(dtype).reshape(shape)
+        own = torch.full((length if rank == 1 else 3,), float(step))
+        saver.save_state({"w": distribute_tensor(full, mesh, placements), f"own{rank}": own}, f"save{step}")
+        whole = distribute_tensor(torch.zeros_like(full), mesh, [Replicate()])
+        read = {"w": whole, f"own{rank}": torch.zeros_like(own)}
+        dcp.load(read, checkpoint_id=dirname / f"save{step}")
+        assert torch.equal(read["w"].to_local(), full) and torch.equal(read[f"own{rank}"], own), step
+        plans.append(saver.kept.planning["main"].central_plan)
+    return [later is earlier for earlier, later in zip(plans, plans[1:])]
+
+
+@pytest.mark.distributed
+def test_plans_are_kept_while_the_layout_holds_and_made_afresh_when_it_changes(tmp_path):
+    assert run_ranks(_save_as_the_layout_changes, 2, tmp_path) == [[True, False, False, False, False, False]] * 2
