@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -44,6 +44,19 @@ __all__ = ["Offer", "SavePlanning", "as_saved"]
 def as_saved(state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` as DCP saves it: its ``Stateful`` values by their state dicts."""
     return {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
+
+
+class _LocalTensorSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, but for how it finds a DTensor's data to write: its local tensor, read without the
+    autograd function of ``to_local()``, whose cost shows in every save of many small tensors."""
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        value = self.state_dict.get(index.fqn)
+        if type(value) is DTensor and not any(placement.is_partial() for placement in value.placements):
+            local = _compat.dtensor_local(value)
+            if type(local) is torch.Tensor:  # a tensor subclass may find its shard itself, as DCP lets it
+                return local
+        return super().lookup_object(index)
 
 
 def _state_layout(planner: DefaultSavePlanner) -> list[Any] | None:
@@ -139,7 +152,7 @@ class SavePlanning:
             The offer to share with the other members.
         """
         self._members, self._position = tuple(members), list(members).index(rank)
-        planner = DefaultSavePlanner()
+        planner = _LocalTensorSavePlanner()
         planner.set_up_planner(dict(state), storage_meta=writer.storage_meta(), is_coordinator=self.is_coordinator)
         writer.set_up_storage_writer(self.is_coordinator, rank=self._position, use_collectives=True)
         self._planner = planner
@@ -206,7 +219,7 @@ class SavePlanning:
         """
         kept, planner = self._kept, self._planner
         if staged is not None:
-            planner = DefaultSavePlanner()
+            planner = _LocalTensorSavePlanner()
             planner.set_up_planner(state_dict=dict(staged), is_coordinator=self.is_coordinator)
         assert planner is not None and kept is not None, "offer() and make_global_plans() first"
         writes = writer.write_data(planner.finish_plan(kept.central_plan), planner)
