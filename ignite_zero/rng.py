@@ -30,8 +30,9 @@ class RandomState:
     ``Events.GET_BATCH_STARTED`` after the load, before that event's other handlers. A resumed ignite run makes its
     data iterator right after ``Events.EPOCH_STARTED``, and a ``DataLoader``'s iterator draws its base seed from torch's
     generator when it is made; the uninterrupted run made that iterator before the state was saved, so without the
-    second application every number after the resume would be shifted. A run resumed at an epoch's end makes its
-    iterator at the same point as the uninterrupted run, and the state is not applied again.
+    second application every number after the resume would be shifted. A run resumed where a data iterator of the
+    uninterrupted run ended (each ``len(loader)`` iterations, whatever ``epoch_length`` is) makes its iterator at the
+    same point as the uninterrupted run, and the state is not applied again.
 
     Covered: ``random``, ``numpy.random`` (the legacy global generator), torch's CPU generator, and the generator of
     every CUDA device once CUDA is initialised. Generators a program creates itself (``torch.Generator()``,
@@ -112,9 +113,17 @@ class RandomState:
     def _at_first_batch(self, engine: Engine) -> None:
         engine.remove_event_handler(self._at_first_batch, Events.GET_BATCH_STARTED)
         loaded, self._loaded = self._loaded, None
-        epoch_length = engine.state.epoch_length
-        if loaded is not None and epoch_length and engine.state.iteration % epoch_length:
+        if loaded is not None and engine.state.iteration % _iterator_length(engine):
             self._apply(loaded)
+
+
+def _iterator_length(engine: Engine) -> int:
+    """How many batches each data iterator of ``engine`` gives: ignite makes the next one when the last one ends,
+    whatever the epoch length, so an uninterrupted run made its iterators at the multiples of this."""
+    try:
+        return len(engine.state.dataloader)  # type: ignore[arg-type]
+    except TypeError:  # data without a length: an epoch's end is the only place an iterator is known to end
+        return engine.state.epoch_length or 1
 
 
 def _as_tuples(value: Any) -> Any:

@@ -23,11 +23,11 @@ def test_a_run_resumed_mid_epoch_with_a_stateful_dataloader_goes_on_bitwise_as_t
     assert_resumed_as_uninterrupted(stopped, resumed, uninterrupted)
 
 
-def _draws(stop_at: int | None, saved: dict, with_handler: bool) -> list[float]:
-    """One process, a DataLoader of 10 batches an epoch, 2 epochs; each step, and with ``with_handler`` a handler of
-    ``GET_BATCH_STARTED`` added before the load, draw from torch's generator. With ``stop_at``, the trainer's and
-    the generators' states are put in ``saved`` at that iteration and the run stops; else the run resumes from
-    ``saved`` if it holds anything."""
+def _draws(stop_at: int | None, saved: dict, with_handler: bool, epoch_length: int = 10) -> list[float]:
+    """One process, a DataLoader of 10 batches, 20 iterations in epochs of ``epoch_length``; each step, and with
+    ``with_handler`` a handler of ``GET_BATCH_STARTED`` added before the load, draw from torch's generator. With
+    ``stop_at``, the trainer's and the generators' states are put in ``saved`` at that iteration and the run stops;
+    else the run resumes from ``saved`` if it holds anything."""
     torch.manual_seed(1)
     draws: list[float] = []
     trainer = Engine(lambda *_: draws.append(torch.rand(1).item()))
@@ -44,16 +44,20 @@ def _draws(stop_at: int | None, saved: dict, with_handler: bool) -> list[float]:
     elif saved:
         trainer.load_state_dict(saved["trainer"])
         generators.load_state_dict(saved["rng"])
-    trainer.run(DataLoader(range(20), batch_size=2), max_epochs=2)
+    trainer.run(DataLoader(range(20), batch_size=2), max_epochs=20 // epoch_length, epoch_length=epoch_length)
     return draws
 
 
-@pytest.mark.parametrize(("stop_at", "with_handler"), [(15, True), (15, False), (10, False)])
-def test_the_draws_after_a_resume_are_those_of_the_uninterrupted_run(stop_at, with_handler):
+@pytest.mark.parametrize(
+    ("stop_at", "with_handler", "epoch_length"),
+    [(15, True, 10), (15, False, 10), (10, False, 10), (15, False, 5), (10, False, 20)],
+)
+def test_the_draws_after_a_resume_are_those_of_the_uninterrupted_run(stop_at, with_handler, epoch_length):
     """Mid-epoch (15), with or without a handler of GET_BATCH_STARTED that draws (it runs after the state is applied
     again), and at an epoch's end (10), where the data iterator is made at the same point as in the uninterrupted
-    run and the state is not applied again."""
-    uninterrupted = _draws(None, {}, with_handler)
+    run and the state is not applied again. What counts is the data iterator's end, not the epoch's: at the end of
+    an epoch of 5 the iterator of 10 batches is in its middle, and in the middle of an epoch of 20 it ends."""
+    uninterrupted = _draws(None, {}, with_handler, epoch_length)
     saved: dict = {}
-    stopped = _draws(stop_at, saved, with_handler)
-    assert stopped + _draws(None, saved, with_handler) == uninterrupted
+    stopped = _draws(stop_at, saved, with_handler, epoch_length)
+    assert stopped + _draws(None, saved, with_handler, epoch_length) == uninterrupted
