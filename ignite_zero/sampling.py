@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
+import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 from torch.utils.data import Dataset, DistributedSampler
@@ -19,11 +20,13 @@ _BETWEEN_RUNS = (None, Events.COMPLETED, Events.TERMINATE, Events.EXCEPTION_RAIS
 
 class _Pass(NamedTuple):
     """One iterator of the sampler: its epoch, where it starts in the epoch's order, how many positions of that
-    order it covers across all ranks, and the trainer's iteration when it was made."""
+    order it covers across all ranks, how many indices it deals to all ranks (with the padding), and the trainer's
+    iteration when it was made."""
 
     epoch: int
     start: int
     covered: int
+    dealt: int
     iteration: int
 
 
@@ -41,9 +44,10 @@ class ResumableDistributedSampler(DistributedSampler):
     head to a multiple of the world size, or cut to one with ``drop_last``, as ``DistributedSampler`` does with the
     whole order), and the iterators after it whole epochs again.
 
-    The epoch advances by itself: each iterator made is the next epoch, so no ``set_epoch`` handler is needed (one
-    that sets the trainer's epoch minus one, as ignite's examples do, gives the same epochs). ``epoch`` is the epoch
-    of the next iterator.
+    The epoch advances by itself: each iterator read is the next epoch, so no ``set_epoch`` handler is needed. One
+    that sets the trainer's epoch minus one, as ignite's examples do, gives the same epochs only while each trainer
+    epoch reads one whole iterator (``epoch_length`` equal to the loader's length, on an unchanged world size); else
+    it moves the data to another epoch and drops a loaded position. ``epoch`` is the epoch of the next iterator.
 
     On another world size, the number of batches in an epoch changes but the trainer's ``epoch_length`` comes from
     the checkpoint: ignite then carries on into the next epoch's data within the same trainer epoch, and the
@@ -56,8 +60,8 @@ class ResumableDistributedSampler(DistributedSampler):
         dataset: the data set, with a length.
         trainer: the engine that consumes the batches, and whose ``state.dataloader`` is a data loader over this
             sampler with a ``batch_size``.
-        num_replicas: the world size; the default process group's by default.
-        rank: this rank; the default process group's by default.
+        num_replicas: the world size; ``ignite.distributed``'s by default (1 without a process group).
+        rank: this rank; ``ignite.distributed``'s by default (0 without a process group).
         shuffle: shuffle each epoch's order, with ``seed + epoch``.
         seed: the shuffle's seed, the same on every rank.
         drop_last: cut each order to a multiple of the world size instead of padding it.
@@ -93,25 +97,31 @@ class ResumableDistributedSampler(DistributedSampler):
     ) -> None:
         if not isinstance(trainer, Engine):
             raise TypeError(f"Argument `trainer` should be the ignite Engine that trains, got {type(trainer).__name__}")
+        num_replicas = idist.get_world_size() if num_replicas is None else num_replicas
+        rank = idist.get_rank() if rank is None else rank
         super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
         self.trainer = trainer
         self._start = 0  # where the next iterator starts in its epoch's order
         self._current: _Pass | None = None
 
     def __iter__(self) -> Iterator[int]:
-        order = self._order(self.epoch)[self._start :]
+        # A generator: nothing changes until the first index is drawn, as torchdata's StatefulDataLoader with workers
+        # makes an iterator it never reads before the one it reads.
+        full = self._order(self.epoch)
+        order = full[self._start :]
         if self.drop_last:
             order = order[: len(order) - len(order) % self.num_replicas]
             covered = len(order)
         else:
             covered = len(order)
             padding = -len(order) % self.num_replicas
-            if order:
-                order += (order * math.ceil(padding / len(order)))[:padding]
-        self._current = _Pass(self.epoch, self._start, covered, self.trainer.state.iteration)
+            if full:
+                # From the head of the whole order, as DistributedSampler pads: the same indices on the same world size.
+                order += (full * math.ceil(padding / len(full)))[:padding]
+        self._current = _Pass(self.epoch, self._start, covered, len(order), self.trainer.state.iteration)
         self.epoch += 1
         self._start = 0
-        return iter(order[self.rank :: self.num_replicas])
+        yield from order[self.rank :: self.num_replicas]
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iterator epoch ``epoch``; a loaded position is kept only if it is of that epoch."""
@@ -141,9 +151,12 @@ class ResumableDistributedSampler(DistributedSampler):
             )
         if self.trainer.last_event_name not in _BETWEEN_RUNS:
             raise RuntimeError(
-                "A ResumableDistributedSampler's state was loaded while its trainer runs, as torchdata's "
-                "StatefulDataLoader restores its sampler: that state holds where the loader had read ahead to, not "
-                "what the trainer consumed. Put the sampler in `to_save` instead of the data loader."
+                f"A ResumableDistributedSampler's state was loaded while its trainer runs (its last event is "
+                f"{self.trainer.last_event_name}): the trainer's data iterator is already made, so the position would "
+                "be lost or misread. Load it before trainer.run, not in one of the run's handlers nor after "
+                "Engine.interrupt(). If torchdata's StatefulDataLoader restored it from its own state, which holds "
+                "where the loader had read ahead to and not what the trainer consumed, put the sampler in `to_save` "
+                "instead of the data loader."
             )
         self.epoch = int(state_dict["epoch"])
         self._start = int(state_dict["position"])
@@ -154,12 +167,18 @@ class ResumableDistributedSampler(DistributedSampler):
         current = self._current
         if current is None:
             return self.epoch, self._start
-        consumed = (self.trainer.state.iteration - current.iteration) * self._batch_size() * self.num_replicas
-        if consumed >= current.covered:
+        batch_size, drop_last = self._loader_batching()
+        consumed = (self.trainer.state.iteration - current.iteration) * batch_size * self.num_replicas
+        end = current.covered
+        if drop_last:
+            # The loader drops each rank's partial last batch: the epoch ends after the whole batches.
+            end = min(end, current.dealt // self.num_replicas // batch_size * batch_size * self.num_replicas)
+        if consumed >= end:
             return current.epoch + 1, 0
         return current.epoch, current.start + consumed
 
-    def _batch_size(self) -> int:
+    def _loader_batching(self) -> tuple[int, bool]:
+        """The ``batch_size`` and ``drop_last`` of the trainer's data loader over this sampler."""
         loader = self.trainer.state.dataloader
         if getattr(loader, "sampler", None) is not self:
             raise RuntimeError(
@@ -173,7 +192,7 @@ class ResumableDistributedSampler(DistributedSampler):
                 "The trainer's data loader has no batch_size (it was given a batch_sampler): give it batch_size "
                 "and this sampler instead, so that the batches consumed say how many samples were"
             )
-        return batch_size
+        return batch_size, bool(getattr(loader, "drop_last", False))
 
     def _order(self, epoch: int) -> list[int]:
         """The epoch's order of the whole data set, as ``DistributedSampler`` makes it before dealing it."""

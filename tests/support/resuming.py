@@ -22,9 +22,9 @@ DATA_SIZE, BATCH_SIZE = 60, 3  # on 2 ranks: 10 iterations an epoch
 EPOCHS = 2
 
 
-def samples() -> TensorDataset:
+def samples(size: int = DATA_SIZE) -> TensorDataset:
     """Inputs, and each sample's index as its target, to tell which samples a batch held."""
-    return TensorDataset(torch.randn(DATA_SIZE, 7, generator=torch.Generator().manual_seed(1)), torch.arange(DATA_SIZE))
+    return TensorDataset(torch.randn(size, 7, generator=torch.Generator().manual_seed(1)), torch.arange(size))
 
 
 def train(
@@ -36,9 +36,12 @@ def train(
     stop_at: int | None = None,
     signal_at: int | None = None,
     until_data_ends: bool = False,
+    data_size: int = DATA_SIZE,
+    epoch_length: int | None = None,
 ) -> dict[str, Any]:
-    """Resume from the newest checkpoint in ``directory`` if any, train to the end of epoch ``EPOCHS`` saving every
-    5 iterations, and return the samples seen (one list a batch), the model's and optimizer's states.
+    """Resume from the newest checkpoint in ``directory`` if any, train to the end of epoch ``EPOCHS`` (of 5 with
+    ``epoch_length``) saving every 5 iterations, and return the samples seen (one list a batch), the model's and
+    optimizer's states.
 
     Args:
         loader: ``"resumable"``, a ``DataLoader`` over a ``ResumableDistributedSampler`` saved as it is;
@@ -47,6 +50,8 @@ def train(
         stop_at: stop after the save of this iteration, as a crash after it would.
         signal_at: send SIGUSR1 to rank 1 at this iteration: ``SaveOnSignal`` saves and stops a little later.
         until_data_ends: stop when the data loader's iterator of the first epoch run here ends, not at ``EPOCHS``.
+        data_size: the number of samples.
+        epoch_length: the trainer's, if not the data loader's length.
     """
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(7, 16), nn.Dropout(0.5), nn.Linear(16, 1)))
@@ -63,7 +68,7 @@ def train(
         return loss.item()
 
     trainer = Engine(step)
-    dataset = samples()
+    dataset = samples(data_size)
     data: Any
     if loader == "resumable":
         data = ResumableDistributedSampler(dataset, trainer, shuffle=True, seed=3)
@@ -86,7 +91,8 @@ def train(
     if until_data_ends:
         trainer.add_event_handler(Events.DATALOADER_STOP_ITERATION, Engine.terminate)
     checkpoint.load_latest(to_save)
-    trainer.run(batches, max_epochs=EPOCHS if not until_data_ends else 10 * EPOCHS)
+    epochs = 10 * EPOCHS if until_data_ends else EPOCHS if epoch_length is None else 5
+    trainer.run(batches, max_epochs=epochs, epoch_length=epoch_length)
     return {
         "seen": seen,
         "model": model.module.state_dict(),
