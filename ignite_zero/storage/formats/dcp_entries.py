@@ -4,10 +4,12 @@ entry's bytes read straight into place, their CRC-32 computed as they arrive and
 
 from __future__ import annotations
 
-import dataclasses
+import base64
+import binascii
 from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from zlib_ng import zlib_ng
@@ -24,11 +26,13 @@ __all__ = [
     "check_crc",
     "laid_out",
     "metadata_of",
+    "pack_records",
     "read_checked",
     "read_entry",
     "read_saved",
     "read_saved_into",
     "read_whole",
+    "unpack_records",
 ]
 
 #: The file DCP's metadata is written to, last: a directory without it is incomplete.
@@ -37,8 +41,7 @@ METADATA = ".metadata"
 _SLICE = 256 << 10
 
 
-@dataclasses.dataclass(frozen=True)
-class EntryRecord:
+class EntryRecord(NamedTuple):
     """Where one entry of a ``.distcp`` file lies, and its checksums.
 
     Attributes:
@@ -55,12 +58,38 @@ class EntryRecord:
     data_offset: int
     data_crc: int
 
-    def to_json(self) -> list[int]:
-        return list(dataclasses.astuple(self))
 
-    @classmethod
-    def from_json(cls, value: Sequence[int]) -> EntryRecord:
-        return cls(*map(int, value))
+# A file's records in the manifest: one row of little-endian 64-bit integers per entry, the fields of EntryRecord in
+# order, base64'd; thousands of entries as one string rather than as as many JSON lists, which are slow to write.
+_RECORD_TABLE = np.dtype("<i8")
+
+
+def pack_records(records: Sequence[EntryRecord]) -> str:
+    """``records`` as the manifest holds them: a base64 table (see :func:`unpack_records`)."""
+    table = np.array(records, dtype=_RECORD_TABLE).reshape(-1, len(EntryRecord._fields))
+    return base64.b64encode(table.tobytes()).decode("ascii")
+
+
+def unpack_records(value: object) -> np.ndarray:
+    """The records of a file's entries as the manifest holds them, one row each (the fields of :class:`EntryRecord`):
+    a base64 table (:func:`pack_records`), or a list of lists of five integers (manifests of ignite_zero before the
+    table).
+
+    Raises:
+        ValueError: ``value`` is neither.
+    """
+    width = len(EntryRecord._fields)
+    if isinstance(value, str):
+        try:
+            data = base64.b64decode(value, validate=True)
+        except binascii.Error as error:
+            raise ValueError(f"records not in base64: {error}") from error
+        if len(data) % (width * _RECORD_TABLE.itemsize):
+            raise ValueError(f"a table of records of {len(data)} bytes, not rows of {width} 64-bit integers")
+        return np.frombuffer(data, dtype=_RECORD_TABLE).reshape(-1, width).astype(np.int64)
+    if not isinstance(value, list) or not all(isinstance(row, list) and len(row) == width for row in value):
+        raise ValueError(f"records neither a table in base64 nor lists of {width} integers")
+    return np.array(value, dtype=np.int64).reshape(-1, width)
 
 
 def metadata_of(content: bytes, where: str, trusted: bool, load_id: str | None = None) -> Metadata:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Se
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -48,7 +49,7 @@ from ignite_zero.storage.formats.base import (
     tensor_entry,
     written_by,
 )
-from ignite_zero.storage.formats.dcp_entries import METADATA, EntryRecord, metadata_of
+from ignite_zero.storage.formats.dcp_entries import METADATA, EntryRecord, metadata_of, pack_records, unpack_records
 from ignite_zero.storage.formats.dcp_files import PlaceStorageReader, PlaceStorageWriter, tensor_nbytes
 from ignite_zero.storage.formats.dcp_saved import SavedTensors
 from ignite_zero.storage.formats.trust import load_value
@@ -79,6 +80,8 @@ __all__ = [
 #: The manifest that seals a sharded checkpoint directory: each file's size and CRC-32.
 MANIFEST = "ignite_zero.json"
 _FORMAT = "ignite_zero-sharded"
+# 2: each file's records a base64 table; 1 (still read): lists of five integers.
+_VERSION = 2
 _READ_CHUNK = 1 << 20
 
 
@@ -173,8 +176,8 @@ def seal(
     lies and their CRC-32 (``records``, by file, for the files that :class:`DirectoryWriter` wrote), and ``facts``."""
     listed: dict[str, Any] = {name: {"size": size, "crc32": crc} for name, (size, crc) in sorted(files.items())}
     for name, entries in (records or {}).items():
-        listed[name]["records"] = [record.to_json() for record in entries]
-    manifest = {"format": _FORMAT, "version": 1, "files": listed, **facts}
+        listed[name]["records"] = pack_records(entries)
+    manifest = {"format": _FORMAT, "version": _VERSION, "files": listed, **facts}
     content = json.dumps(manifest, indent=1, sort_keys=True).encode()
     where.write(MANIFEST, lambda f: f.write(content))
 
@@ -268,27 +271,36 @@ def entry_records(manifest: Mapping[str, Any] | None) -> dict[str, list[EntryRec
         return None
     files = manifest["files"]
     try:
-        records = {name: [EntryRecord.from_json(r) for r in listed["records"]] for name, listed in files.items()}
+        tables = {name: unpack_records(listed["records"]) for name, listed in files.items()}
         sizes = {name: int(listed["size"]) for name, listed in files.items()}
     except (TypeError, ValueError, KeyError) as error:
         raise IntegrityError(f"The manifest's records are corrupt: {error}") from error
-    for name, part in records.items():
-        end = 0
-        for record in sorted(part, key=lambda record: record.offset):
-            span = f"[{record.offset}, {record.offset + record.length})"
-            if record.offset < end or record.offset + record.length > sizes[name] or record.length < 0:
-                raise IntegrityError(
-                    f"The manifest records an entry of {name} at {span}, outside its {sizes[name]} bytes or over "
-                    "another entry: corrupt or forged"
-                )
-            if not record.offset <= record.data_offset <= record.offset + record.length:
-                raise IntegrityError(
-                    f"The manifest lacks where the data of the entry of {name} at {span} lies (it says "
-                    f"{record.data_offset}, outside the entry), which every manifest that ignite_zero writes records: "
-                    "it is corrupt or not ignite_zero's. Restore the checkpoint from a good copy, or save it again."
-                )
-            end = record.offset + record.length
-    return records
+    for name, table in tables.items():
+        _check_records(name, table[np.argsort(table[:, 0], kind="stable")], sizes[name])
+    return {name: list(map(EntryRecord._make, table.tolist())) for name, table in tables.items()}
+
+
+def _check_records(name: str, table: np.ndarray, size: int) -> None:
+    """Raise :class:`IntegrityError` unless the records ``table`` (rows of :class:`EntryRecord`'s fields, by offset)
+    lie within the file's ``size`` bytes, over no other, each with its data inside it."""
+    offset, length, _, data_offset, _ = table.T
+    end = offset + length
+    previous_end = np.concatenate(([0], end[:-1]))
+    outside = (offset < previous_end) | (end > size) | (length < 0)
+    if outside.any():
+        first = int(np.argmax(outside))
+        raise IntegrityError(
+            f"The manifest records an entry of {name} at [{offset[first]}, {end[first]}), outside its {size} bytes or "
+            "over another entry: corrupt or forged"
+        )
+    no_data = (data_offset < offset) | (data_offset > end)
+    if no_data.any():
+        first = int(np.argmax(no_data))
+        raise IntegrityError(
+            f"The manifest lacks where the data of the entry of {name} at [{offset[first]}, {end[first]}) lies (it "
+            f"says {data_offset[first]}, outside the entry), which every manifest that ignite_zero writes records: it "
+            "is corrupt or not ignite_zero's. Restore the checkpoint from a good copy, or save it again."
+        )
 
 
 def file_crc(place: Place, name: str) -> int:

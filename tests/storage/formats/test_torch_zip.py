@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from ignite_zero import IntegrityError
 from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.formats import torch_zip
+from ignite_zero.storage.formats.dcp_entries import EntryRecord, pack_records, unpack_records
 from ignite_zero.storage.formats.dcp_files import PlaceStorageReader, PlaceStorageWriter
 from ignite_zero.storage.formats.dcp_saved import SavedTensors
 from ignite_zero.storage.formats.torch_zip import write_archive
@@ -327,7 +328,10 @@ def test_a_manifest_without_where_an_entrys_data_lies_is_refused(tmp_path):
     sharded.seal(place, writer.written, writer.records)
     assert sharded.entry_records(sharded.read_manifest(place)) == writer.records
     manifest = json.loads(place.read(sharded.MANIFEST))
-    manifest["files"]["__0_0.distcp"]["records"][-1][3] = -1  # the data offset of a tensor's entry
+    listed = manifest["files"]["__0_0.distcp"]
+    table = unpack_records(listed["records"]).copy()
+    table[-1, 3] = -1  # the data offset of a tensor's entry
+    listed["records"] = pack_records([EntryRecord._make(row) for row in table.tolist()])
     place.write(sharded.MANIFEST, lambda f: f.write(json.dumps(manifest).encode()))
     lacks = r"lacks where the data of the entry of __0_0.distcp at \[\d+, \d+\) lies \(it says -1, .* save it again"
     with pytest.raises(IntegrityError, match=lacks):
@@ -335,6 +339,34 @@ def test_a_manifest_without_where_an_entrys_data_lies_is_refused(tmp_path):
     for whole in (True, False):
         with pytest.raises(IntegrityError, match=lacks):
             sharded.DirectoryReader(place).verify(whole)
+
+
+def test_a_manifest_of_records_as_lists_still_loads_and_verifies(tmp_path):
+    """Manifests that ignite_zero wrote before the table of records (version 1: a list of five integers per entry)
+    still verify, and the entries load checked by their records: a corrupt byte of an entry is caught."""
+    place = LocalPlace(tmp_path / "ours")
+    writer = PlaceStorageWriter(place)
+    state = _state()
+    with sharded.in_one_process():
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    sharded.seal(place, writer.written, writer.records)
+    manifest = json.loads(place.read(sharded.MANIFEST))
+    assert manifest["version"] == 2 and all(isinstance(f["records"], str) for f in manifest["files"].values())
+    manifest["version"] = 1
+    for name, listed in manifest["files"].items():
+        listed["records"] = [list(record) for record in writer.records[name]]
+    place.write(sharded.MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    assert sharded.entry_records(sharded.read_manifest(place)) == writer.records
+    reader = sharded.DirectoryReader(place)
+    assert reader.verify().checked
+    _assert_equal(reader.load(weights_only=True), state)
+    record = writer.records["__0_0.distcp"][-1]
+    path = tmp_path / "ours" / "__0_0.distcp"
+    content = bytearray(path.read_bytes())
+    content[record.data_offset] ^= 1
+    path.write_bytes(bytes(content))
+    with pytest.raises(IntegrityError, match="is corrupt"):
+        sharded.DirectoryReader(place).load(weights_only=True)
 
 
 class _Image(io.RawIOBase):

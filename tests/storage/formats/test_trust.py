@@ -31,6 +31,7 @@ from ignite_zero import (
     find_latest,
 )
 from ignite_zero.storage.formats import directory as sharded
+from ignite_zero.storage.formats.dcp_entries import EntryRecord, pack_records, unpack_records
 
 _MARKER = "planted-by-the-checkpoint"
 
@@ -292,7 +293,9 @@ def test_manifest_records_outside_their_file_are_an_integrity_error(tmp_path):
     manifest_path = directory / sharded.MANIFEST
     manifest = json.loads(manifest_path.read_text())
     name = next(name for name in manifest["files"] if name.endswith(".distcp"))
-    manifest["files"][name]["records"][0][1] = 10**12  # an entry's length
+    table = unpack_records(manifest["files"][name]["records"]).copy()
+    table[0, 1] = 10**12  # an entry's length
+    manifest["files"][name]["records"] = pack_records([EntryRecord._make(row) for row in table.tolist()])
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(IntegrityError, match="outside its .* bytes or over another entry"):
         sharded.entry_records(sharded.read_manifest(directory))
