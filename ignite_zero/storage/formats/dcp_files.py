@@ -71,6 +71,9 @@ from ignite_zero.storage.places import Place, place_of
 __all__ = ["PlaceStorageReader", "PlaceStorageWriter", "tensor_nbytes"]
 
 _SUFFIX = ".distcp"
+# Writes up to the first size are gathered until they reach the second: one write for the archives of many small
+# tensors rather than three each; larger ones are written straight from their memory.
+_GATHERED_PIECE, _GATHERED = 64 << 10, 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,17 +84,32 @@ class _Prefix:
 
 
 class _Output:
-    """A file being written: its position, size and CRC-32, and its entries' records."""
+    """A file being written: its position, size and CRC-32, and its entries' records; small pieces (headers, small
+    tensors' archives) gathered and written together."""
 
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream
+        self._gathered = bytearray()
         self.size = 0
         self.crc = 0
         self.records: list[EntryRecord] = []
 
     def write(self, data: Any) -> None:
-        self._stream.write(data)
-        self.size += memoryview(data).nbytes
+        view = memoryview(data)
+        if view.nbytes <= _GATHERED_PIECE:
+            self._gathered += view
+            if len(self._gathered) >= _GATHERED:
+                self.flush()
+        else:
+            self.flush()
+            self._stream.write(view)
+        self.size += view.nbytes
+
+    def flush(self) -> None:
+        """Write what is gathered."""
+        if self._gathered:
+            self._stream.write(self._gathered)
+            self._gathered = bytearray()  # a new one: what was written may still be held by the stream
 
     def value(self, data: bytes | memoryview) -> EntryRecord:
         offset = self.size
@@ -190,6 +208,7 @@ class PlaceStorageWriter(StorageWriter):
                 del data  # its host copy goes before the next one is made
                 info = _compat.dcp_storage_info(name, record.offset, record.length)
                 results.append(WriteResult(index=item.index, size_in_bytes=record.length, storage_data=info))
+            output.flush()
             self.written[name] = (output.size, output.crc)
             self.records[name] = output.records
 

@@ -10,6 +10,9 @@ upload), at any position of it (DCP puts one archive per tensor into a rank's fi
 record's data lies and its CRC-32, so that a reader can read a storage straight into place and check it as it
 arrives, and the CRC-32 of the whole archive (for a file's checksum, with :func:`zlib_ng.crc32_combine`).
 
+A small tensor saved alone (most of DCP's entries) is written from its layout's archive, kept after the first:
+the same bytes with the tensor's own, their CRC-32 and the serialization id put in.
+
 Every record is the same as ``torch.save``'s but the serialization id, which torch derives from its C++ standard
 library's string hashes: ours is 40 digits too, from the CRC-32 of the record names and of their data. torch reads
 it only to tell files apart.
@@ -307,6 +310,83 @@ def _zip64_extra(values: tuple[int, ...]) -> bytes:
     return struct.pack(f"<2H{len(values)}Q", _ZIP64_EXTRA, 8 * len(values), *values)
 
 
+_CRC = struct.Struct("<L")
+# Where a central directory entry holds its record's CRC-32, and its name's, extra field's and comment's lengths.
+_CENTRAL_CRC, _CENTRAL_LENGTHS = 16, struct.Struct("<3H")
+
+
+class _LoneTensorArchive:
+    """The archive of a small tensor saved alone, for one layout of it: its bytes are the same for every tensor of that
+    layout but for the tensor's own, their CRC-32 (in its data descriptor and its central directory entry) and the
+    serialization id that follows from it (with its own CRC-32, likewise twice). Written from this template, an entry
+    costs two CRC-32 passes and a copy of the bytes after the tensor's, not a pickle and seven records.
+
+    Args:
+        tensor: a tensor of the layout (see :func:`_lone_tensor_layout`), written once as :class:`_Writer` writes it.
+        protocol: the pickle protocol.
+    """
+
+    def __init__(self, tensor: torch.Tensor, protocol: int) -> None:
+        written = bytearray()
+        archive = _write_records(written.extend, tensor, None, protocol)
+        names = [record.name for record in archive.records]
+        data, version, serialization = (
+            archive.record(name) for name in ("data/0", "version", ".data/serialization_id")
+        )
+        end = data.offset + data.size
+        self._head, self._tail = bytes(written[: data.offset]), bytes(written[end:])
+        self._head_crc = zlib_ng.crc32(self._head)
+        self._records = archive.records
+        self._data_index, self._serialization_index = names.index("data/0"), names.index(".data/serialization_id")
+        self._names_crc = zlib_ng.crc32("\n".join(names[: self._serialization_index]).encode())
+        self._before_crc = 0
+        for record in archive.records[: self._data_index]:
+            self._before_crc = zlib_ng.crc32_combine(self._before_crc, record.crc, record.size)
+        self._version = version
+        # in the tail: the data descriptors' CRC-32 right after their signature, then each central entry's
+        descriptors = [4, serialization.offset + serialization.size + 4 - end]
+        directory = serialization.offset + serialization.size + _DESCRIPTOR.size - end
+        central = []
+        for _ in names:
+            central.append(directory + _CENTRAL_CRC)
+            name, extra, comment = _CENTRAL_LENGTHS.unpack_from(self._tail, directory + 28)
+            directory += _CENTRAL.size + name + extra + comment
+        self._data_crcs = (descriptors[0], central[self._data_index])
+        self._serialization_at = serialization.offset - end
+        self._serialization_crcs = (descriptors[1], central[self._serialization_index])
+        self.size = len(written)
+
+    def write(self, write: Callable[[Any], object], data: memoryview) -> Archive:
+        """Write the archive of a tensor of this layout whose bytes are ``data``."""
+        size = data.nbytes
+        data_crc = zlib_ng.crc32(data)
+        combined = zlib_ng.crc32_combine(
+            zlib_ng.crc32_combine(self._before_crc, data_crc, size), self._version.crc, self._version.size
+        )
+        serialization = f"{self._names_crc:020d}{combined:020d}".encode()
+        serialization_crc = zlib_ng.crc32(serialization)
+        tail = bytearray(self._tail)
+        for at in self._data_crcs:
+            _CRC.pack_into(tail, at, data_crc)
+        tail[self._serialization_at : self._serialization_at + len(serialization)] = serialization
+        for at in self._serialization_crcs:
+            _CRC.pack_into(tail, at, serialization_crc)
+        write(self._head)
+        write(data)
+        write(tail)
+        records = list(self._records)
+        for index, crc in ((self._data_index, data_crc), (self._serialization_index, serialization_crc)):
+            kept = records[index]
+            records[index] = Record(kept.name, kept.offset, kept.size, crc)
+        crc = zlib_ng.crc32(tail, zlib_ng.crc32_combine(self._head_crc, data_crc, size))
+        return Archive(self.size, crc, records)
+
+
+# The archive of each layout of a small tensor saved alone: DCP's files hold one archive per tensor, most of them laid
+# out alike (a model's layers, their moments).
+_LONE_TENSOR_ARCHIVES: dict[tuple[Any, ...], _LoneTensorArchive] = {}
+
+
 def write_archive(
     stream: IO[bytes] | Callable[[Any], object],
     obj: Any,
@@ -326,8 +406,28 @@ def write_archive(
     Returns:
         Where each record lies in what was written, and the CRC-32 of all of it.
     """
+    write = stream.write if hasattr(stream, "write") else stream
+    layout = _lone_tensor_layout(obj) if source is None else None
+    if layout is None or not 0 < layout[1] <= _SMALL:
+        return _write_records(write, obj, source, pickle_protocol)
+    key = (pickle_protocol, _compat.storage_alignment(), *layout)
+    template = _LONE_TENSOR_ARCHIVES.get(key)  # one look: writing threads may clear it meanwhile
+    if template is None:
+        if len(_LONE_TENSOR_ARCHIVES) >= _PICKLES_KEPT:
+            _LONE_TENSOR_ARCHIVES.clear()
+        template = _LONE_TENSOR_ARCHIVES[key] = _LoneTensorArchive(obj, pickle_protocol)
+    return template.write(write, tensor_bytes(obj.untyped_storage()))
+
+
+def _write_records(
+    write: Callable[[Any], object],
+    obj: Any,
+    source: Callable[[memoryview], Iterable[memoryview]] | None,
+    pickle_protocol: int,
+) -> Archive:
+    """Write ``obj``'s archive record by record (see :func:`write_archive`)."""
     pickled, storages = _pickled(obj, pickle_protocol)
-    writer = _Writer(stream.write if hasattr(stream, "write") else stream)
+    writer = _Writer(write)
     writer.record("data.pkl", pickled)
     writer.record(".format_version", b"1")
     writer.record(".storage_alignment", str(writer.alignment).encode())

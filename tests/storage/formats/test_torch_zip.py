@@ -78,6 +78,7 @@ def test_the_archive_is_torch_saves_record_by_record(name):
 @pytest.mark.parametrize("protocol", [2, 4, 5])
 def test_a_pickle_protocol_gives_torch_saves_archive_with_it(protocol, monkeypatch):
     monkeypatch.setattr(torch_zip, "_PICKLES", {})
+    monkeypatch.setattr(torch_zip, "_LONE_TENSOR_ARCHIVES", {})
     for obj in (_objects()["scalars and values"], torch.arange(6.0), torch.arange(6.0) + 1):  # pickles kept too
         _assert_torch_saves(obj, protocol)
 
@@ -103,17 +104,22 @@ def _lone_tensors() -> list[torch.Tensor]:
         complex_ones.conj().imag,  # the negative bit
         with_attribute,
         torch.nn.Parameter(torch.ones(4)),
+        torch.arange(20_000, dtype=torch.float32),  # above the size of the archives kept: its pickle kept
+        torch.arange(20_000, dtype=torch.float32) * 2,
     ]
 
 
-def test_lone_tensors_of_every_layout_are_torch_saves_record_by_record_whenever_their_pickle_is_kept(monkeypatch):
+def test_lone_tensors_of_every_layout_are_torch_saves_record_by_record_whenever_their_archive_is_kept(monkeypatch):
+    """Small lone tensors are written from their layout's archive, kept (their pickle and records), large ones with
+    their layout's pickle kept: torch.save's bytes either way, each tensor's own data and checksums."""
     pickled = []
     dump = torch_zip._Pickler.dump
     monkeypatch.setattr(torch_zip._Pickler, "dump", lambda self, obj: pickled.append(obj) or dump(self, obj))
     monkeypatch.setattr(torch_zip, "_PICKLES", {})
+    monkeypatch.setattr(torch_zip, "_LONE_TENSOR_ARCHIVES", {})
     for tensor in _lone_tensors():
         _assert_torch_saves(tensor)
-    assert len(pickled) == len(_lone_tensors()) - 1  # all but the second, laid out as the first
+    assert len(pickled) == len(_lone_tensors()) - 2  # all but those laid out as the one before them
     pickled.clear()
     for tensor in _lone_tensors():  # every plain one's pickle kept: the one with an attribute and the Parameter not
         _assert_torch_saves(tensor)
