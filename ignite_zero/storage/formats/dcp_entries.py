@@ -28,6 +28,7 @@ __all__ = [
     "metadata_of",
     "pack_records",
     "read_checked",
+    "read_entries",
     "read_entry",
     "read_saved",
     "read_saved_into",
@@ -39,6 +40,8 @@ __all__ = [
 METADATA = ".metadata"
 # Reads, like writes, go in slices checksummed while still in the CPU's cache.
 _SLICE = 256 << 10
+# Neighbouring entries up to the first size are read together, in spans up to the second.
+_SPANNED_ENTRY, _SPAN = 256 << 10, 4 << 20
 
 
 class EntryRecord(NamedTuple):
@@ -177,6 +180,50 @@ def read_entry(f: IO[bytes], record: EntryRecord, data: memoryview, where: str) 
     crc = read_checked(f, memoryview(tail), where, zlib_ng.crc32_combine(crc, data_crc, data.nbytes))
     check_crc(data_crc, record.data_crc, where)
     check_crc(crc, record.crc, where)
+
+
+def read_entries(f: IO[bytes], reads: Sequence[tuple[EntryRecord, memoryview, str]]) -> None:
+    """Read many entries as :func:`read_entry` reads each (``reads``: each one's record, where its tensor's bytes go,
+    and where it lies, for messages): small neighbours in the file with one read and one CRC-32 pass over them all,
+    checked against their records' CRC-32 combined; the entry that does not match named when they differ."""
+    span: list[tuple[EntryRecord, memoryview, str]] = []
+    for read in sorted(reads, key=lambda read: read[0].offset):
+        record, data, where = read
+        if record.data_offset + data.nbytes > record.offset + record.length:
+            raise IntegrityError(f"{where}: its {data.nbytes} bytes of data do not fit its entry (corrupt manifest?)")
+        if record.length > _SPANNED_ENTRY:
+            read_entry(f, record, data, where)
+            continue
+        if span and (
+            record.offset != span[-1][0].offset + span[-1][0].length
+            or record.offset + record.length - span[0][0].offset > _SPAN
+        ):
+            _read_span(f, span)
+            span = []
+        span.append(read)
+    if span:
+        _read_span(f, span)
+
+
+def _read_span(f: IO[bytes], span: Sequence[tuple[EntryRecord, memoryview, str]]) -> None:
+    """Read entries that follow each other in the file with one read, check them, and copy their tensors' bytes."""
+    start = span[0][0].offset
+    buffer = memoryview(bytearray(span[-1][0].offset + span[-1][0].length - start))
+    f.seek(start)
+    crc = read_checked(f, buffer, span[0][2])
+    expected = 0
+    for record, _, _ in span:
+        expected = zlib_ng.crc32_combine(expected, record.crc, record.length)
+    if crc != expected:  # which one: each checked alone, as a read of it alone would
+        for record, data, where in span:
+            check_crc(
+                zlib_ng.crc32(buffer[record.offset - start : record.offset - start + record.length]), record.crc, where
+            )
+            at = record.data_offset - start
+            check_crc(zlib_ng.crc32(buffer[at : at + data.nbytes]), record.data_crc, where)
+    for record, data, _ in span:
+        at = record.data_offset - start
+        data[:] = buffer[at : at + data.nbytes]
 
 
 def read_whole(f: IO[bytes], record: EntryRecord, where: str) -> bytearray:

@@ -27,6 +27,7 @@ from ignite_zero.storage.formats.dcp_entries import (
     check_crc,
     laid_out,
     read_checked,
+    read_entries,
     read_entry,
     read_saved,
     read_saved_into,
@@ -149,6 +150,17 @@ class SavedTensors:
         read_entry(f, record, into, where)
         return None
 
+    def read_entries(self, reads: Sequence[tuple[MetadataIndex, memoryview]]) -> None:
+        """Read the tensors' bytes of the entries ``reads`` names into their views, checked, neighbours in a file
+        together (see :func:`~.dcp_entries.read_entries`)."""
+        by_file: dict[str, list[tuple[EntryRecord, memoryview, str]]] = {}
+        for index, into in reads:
+            info = self._metadata.storage_data[index]
+            record, where = self._entries.of(info, index.fqn)
+            by_file.setdefault(info.relative_path, []).append((record, into, where))
+        for name, part in by_file.items():
+            read_entries(self._open(name), part)
+
     def _open(self, name: str) -> IO[bytes]:
         if self._closed:
             raise RuntimeError(f"{self.place} {CLOSED_EARLY}")
@@ -255,9 +267,8 @@ class InPlaceReads:
             node[path[-1]] = load_value(content, f"{self.saved.place.location()}, entry {index.fqn}", weights_only)
 
     def read_tensors(self) -> None:
-        """Read each tensor straight into its place."""
-        for index, target in self.tensors:
-            self.saved.read_entry(index, torch_zip.tensor_bytes(target))
+        """Read each tensor into its place, neighbours in a file together."""
+        self.saved.read_entries([(index, torch_zip.tensor_bytes(target)) for index, target in self.tensors])
 
 
 def _block_of(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -278,6 +278,17 @@ def test_a_plan_reads_nothing_and_fills_what_lies_in_one_saved_chunk(tmp_path):
     saved.close()
 
 
+def _read_in_place(tmp_path, writer, blank):
+    place = LocalPlace(tmp_path / "ours")
+    saved = SavedTensors(place, writer.records, PlaceStorageReader(place, writer.records).read_metadata())
+    try:
+        reads = saved.in_place_reads(blank)
+        assert reads is not None and len(reads.tensors) > 1
+        reads.read_tensors()
+    finally:
+        saved.close()
+
+
 def test_a_corrupt_byte_anywhere_in_an_entry_read_is_caught(tmp_path):
     state, writer = _save_both(tmp_path)
     path = tmp_path / "ours" / "__0_0.distcp"
@@ -291,6 +302,15 @@ def test_a_corrupt_byte_anywhere_in_an_entry_read_is_caught(tmp_path):
             path.write_bytes(bytes(corrupt))
             with pytest.raises(IntegrityError, match=r"__0_0.distcp, entry .* is corrupt \(CRC-32"):
                 _load_ours(tmp_path, writer, _blank(state))
+            if record.data_offset != record.offset:  # a tensor's: read with its neighbours, the corrupt one named
+                with pytest.raises(IntegrityError, match=rf"__0_0.distcp, entry \S+ at {record.offset} is corrupt"):
+                    _read_in_place(tmp_path, writer, _blank(state))
+    path.write_bytes(good)
+    blank = _blank(state)
+    _read_in_place(tmp_path, writer, blank)
+    for tensors in ("model", "optimizer"):  # the tensors only: values are read apart
+        for key, value in state[tensors].items():
+            assert not isinstance(value, torch.Tensor) or torch.equal(blank[tensors][key], value)
     path.write_bytes(good[:-100])
     with pytest.raises(IntegrityError, match=r"the file ends early \(truncated\?\)"):
         _load_ours(tmp_path, writer, _blank(state))
