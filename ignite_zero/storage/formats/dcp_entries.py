@@ -1,5 +1,6 @@
 """The entries of DCP's files as the manifest records them (:class:`EntryRecord`), and their checked reads: each
-entry's bytes read straight into place, their CRC-32 computed as they arrive and compared with the record's.
+entry's bytes read straight into place, their CRC-32 computed as they arrive and compared with the record's; small
+neighbouring entries read together, in spans.
 """
 
 from __future__ import annotations

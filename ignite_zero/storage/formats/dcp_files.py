@@ -12,7 +12,8 @@ record in the same pass: :attr:`PlaceStorageWriter.written` gives each file's si
 
 :class:`PlaceStorageReader` reads those entries with the manifest's records: each tensor's data straight into the
 tensor DCP loads it into (a part of a saved tensor: the saved tensor into a buffer, then the part copied), checked
-by its CRC-32 as it arrives, with no ``torch.load`` and no separate pass over the files
+by its CRC-32 as it arrives (small neighbouring entries read together and checked by one CRC-32 pass, then their
+bytes copied into place), with no ``torch.load`` and no separate pass over the files
 (:mod:`~ignite_zero.storage.formats.dcp_entries`); :mod:`~ignite_zero.storage.formats.dcp_saved` reads them without
 DCP's planning.
 
@@ -61,9 +62,10 @@ from ignite_zero.storage.formats.dcp_entries import (
     EntryRecord,
     RecordedEntries,
     check_crc,
+    laid_out,
     metadata_of,
+    read_entries,
     read_saved,
-    read_saved_into,
     read_whole,
 )
 from ignite_zero.storage.places import Place, place_of
@@ -311,22 +313,43 @@ class PlaceStorageReader(StorageReader):
         for name, items in by_file.items():
             items.sort(key=lambda item: self._storage_data[item.storage_index].offset)
             with self.place.open(name) as f:
+                in_place: list[tuple[ReadItem, torch.Tensor]] = []
                 for item in items:
-                    self._read_item(name, f, item, planner)
+                    if item.type == LoadItemType.BYTE_IO:
+                        record, where = self._record(item)
+                        planner.load_bytes(item, io.BytesIO(read_whole(f, record, where)))
+                        continue
+                    target = planner.resolve_tensor(item).detach()
+                    sizes, dtype = self._saved_chunk(item)
+                    if _whole(item, sizes) and laid_out(target, dtype):
+                        in_place.append((item, target))
+                    else:
+                        self._read_part(f, item, target, sizes, dtype, planner)
+                reads = []
+                for item, target in in_place:  # whole saved tensors, into place, neighbours together
+                    record, where = self._record(item)
+                    reads.append((record, torch_zip.tensor_bytes(target), where))
+                read_entries(f, reads)
+                for item, target in in_place:
+                    planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _read_item(self, name: str, f: IO[bytes], item: ReadItem, planner: LoadPlanner) -> None:
-        record, where = self._entries.of(self._storage_data[item.storage_index], item.storage_index.fqn)
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(read_whole(f, record, where)))
-            return
-        target = planner.resolve_tensor(item).detach()
-        sizes, dtype = self._saved_chunk(item)
-        if _whole(item, sizes) and read_saved_into(f, record, target, dtype, where):
-            planner.commit_tensor(item, target)
-            return
+    def _record(self, item: ReadItem) -> tuple[EntryRecord, str]:
+        return self._entries.of(self._storage_data[item.storage_index], item.storage_index.fqn)
+
+    def _read_part(
+        self,
+        f: IO[bytes],
+        item: ReadItem,
+        target: torch.Tensor,
+        sizes: torch.Size,
+        dtype: torch.dtype,
+        planner: LoadPlanner,
+    ) -> None:
+        """Read the part of a saved tensor that ``item`` names into ``target`` (or a tensor laid out otherwise)."""
+        record, where = self._record(item)
         part = read_saved(f, record, sizes, dtype, where)  # a part of it: as DCP's reader, the saved tensor whole
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             part = part.narrow(dim, start, length)
