@@ -1,5 +1,6 @@
-"""What every benchmark needs: ranks in a gloo process group, resident memory sampled while an operation runs,
-and the statistics the tables print.
+"""What every benchmark needs: ranks in a gloo process group, the models and optimizers they hold, resident memory
+sampled while an operation runs, scratch files copied and emptied between operations, and the statistics the tables
+print.
 
 Memory is the growth of a process's resident set during one operation: a background thread samples
 ``/proc/self/statm`` every ``interval`` seconds (5 ms), and the kernel's own high-water mark is reset just
@@ -32,17 +33,27 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from _plot import add_plot_option
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+from ignite_zero.adapters import ZeROState
+from ignite_zero.adapters.fsdp import FSDPModelState, FSDPOptimizerState
+from ignite_zero.storage.places import fsync_path
+from ignite_zero.storage.savers.sharded import share
+
 __all__ = [
+    "LinearAdam",
     "Measurement",
     "ZeROParameters",
+    "copy_fresh",
     "each_configuration",
+    "empty_except",
     "fsdp2_adam_after_one_step",
     "interleaved",
     "launch",
@@ -309,3 +320,90 @@ def loopback_s3() -> tuple[Any, str]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     return server, endpoint
+
+
+def copy_fresh(source: Path, target: Path, cold: bool) -> None:
+    """Copy the file or directory ``source`` to ``target``, then read every file of the copy once, or, ``cold``,
+    flush it to the disk and drop it from the page cache (dirty pages would stay)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if source.is_dir():
+        shutil.copytree(source, target)
+    else:
+        shutil.copyfile(source, target)
+    for path in [target] if target.is_file() else sorted(p for p in target.rglob("*") if p.is_file()):
+        with open(path, "rb", buffering=0) as f:
+            if cold:
+                os.fsync(f.fileno())
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            else:
+                while f.read(8 << 20):
+                    pass
+
+
+def empty_except(directory: Path, keep: set[Path]) -> None:
+    """Remove everything in ``directory``, but only the contents of the directories ``keep`` (savers' own)."""
+    for path in directory.iterdir():
+        if path in keep:
+            empty_except(path, set())
+        elif path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+class LinearAdam:
+    """One rank's model and optimizer, what it writes and reads raw, and the sharded state DCP saves and loads."""
+
+    def __init__(self, kind: str, layers: int, width: int, rank: int, world_size: int) -> None:
+        torch.manual_seed(0)  # every rank holds the same model before sharding
+        self.kind = kind
+        if kind == "zero":
+            self.model: nn.Module = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+            self.optimizer: Any = zero_adam_after_one_step(self.model)
+            shard = ZeROState(self.optimizer).sharded_state_dict()
+            self.own = local_tensors(
+                {"model": share(self.model.state_dict(), rank, world_size, keeper=0), "opt": shard}
+            )
+        else:
+            self.model, self.optimizer = fsdp2_adam_after_one_step(layers * (width * width + width), width)
+            model_state = FSDPModelState(self.model, 0).sharded_state_dict()
+            optimizer_state = FSDPOptimizerState(self.model, self.optimizer, 0).sharded_state_dict()
+            self.own = local_tensors({"model": model_state, "optimizer": optimizer_state})
+        self.own = [t.contiguous() for t in self.own]
+        # what a load reads: ZeRO ranks the whole model (every rank holds it) and their optimizer shard
+        self.needed = self.own if kind != "zero" else [*self.model.state_dict().values(), *local_tensors(shard)]
+        self.needed_bytes = sum(t.numel() * t.element_size() for t in self.needed)
+        self.own_bytes = sum(t.numel() * t.element_size() for t in self.own)
+        total = torch.tensor([self.own_bytes], dtype=torch.int64)
+        dist.all_reduce(total)
+        self.total_bytes = int(total)
+        self.objects = {"model": self.model, "optimizer": self.optimizer}
+        # ZeRO's torch.save floor writes the state consolidated once, beforehand, on rank 0
+        self.full = None
+        if kind == "zero":
+            self.full = {"model": self.model.state_dict(), "optimizer": ZeROState(self.optimizer).state_dict()}
+
+    def dcp_state(self) -> dict[str, Any]:
+        if self.kind == "zero":
+            return {"model": self.model.state_dict(), "optimizer": ZeROState(self.optimizer).sharded_state_dict()}
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def dcp_load(self, checkpoint: Path) -> None:
+        state = self.dcp_state()
+        dcp.load(state, checkpoint_id=checkpoint)
+        if self.kind == "fsdp2":
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            )
+
+    def torch_full(self, rank: int, path: Path) -> None:
+        if self.kind == "zero":
+            full = self.full
+        else:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
+            full = {"model": model_state, "optimizer": optimizer_state}
+        if rank == 0:
+            torch.save(full, path)
+            fsync_path(path)

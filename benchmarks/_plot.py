@@ -1,4 +1,5 @@
-"""Charts of the benchmarks' results: ``--plot PATH`` writes a PNG of grouped bars next to the printed table.
+"""Charts of the benchmarks' results: ``--plot PATH`` writes a PNG of grouped bars, or of lines of growth, next to
+the printed table.
 
 matplotlib is the ``benchmarks`` extra (``pip install -e ".[benchmarks]"``), not a dependency of the package, and is
 imported only when a chart is written, so that a benchmark without ``--plot`` runs without it.
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Panel", "add_plot_option", "save_panels", "seconds_panel", "write_chart"]
+__all__ = ["Panel", "add_plot_option", "save_panels", "seconds_panel", "write_chart", "write_growth_chart"]
 
 # one colour a path, the same in every panel: ours first, then the others, then the floor
 _COLOURS = (
@@ -129,5 +130,45 @@ def write_chart(path: str | Path, title: str, panels: Sequence[Panel]) -> None:
     figure.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 5), fontsize=8)
     figure.suptitle(title, fontsize=11)
     figure.tight_layout(rect=(0, 0.06 * -(-len(handles) // 5), 1, 1))
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def write_growth_chart(
+    path: str | Path, title: str, panels: Mapping[str, Mapping[str, Mapping[int, Sequence[float]]]], unit: str
+) -> None:
+    """Write, side by side under ``title``, one log-log panel of lines a key of ``panels``: in each, a line a path,
+    its median seconds (min-max whiskers) against ``unit`` (the size each point measured), as a PNG at ``path``.
+
+    Args:
+        path: where the PNG goes.
+        title: the chart's title.
+        panels: panel title -> path -> size -> seconds of each run.
+        unit: what the sizes count ("entries").
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(name for lines in panels.values() for name in lines))
+    colours = {name: _COLOURS[index % len(_COLOURS)] for index, name in enumerate(names)}
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6), squeeze=False)
+    for axis, (panel, lines) in zip(axes[0], panels.items()):
+        for name, points in lines.items():
+            sizes = sorted(points)
+            middle = [statistics.median(points[size]) for size in sizes]
+            low = [m - min(points[size]) for m, size in zip(middle, sizes)]
+            high = [max(points[size]) - m for m, size in zip(middle, sizes)]
+            axis.errorbar(sizes, middle, yerr=[low, high], label=name, color=colours[name], marker="o", capsize=2)
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xlabel(unit)
+        axis.set_ylabel("seconds (median, min-max)")
+        axis.set_title(panel, fontsize=10)
+        axis.grid(alpha=0.3, which="both")
+        axis.legend(fontsize=8)
+    figure.suptitle(title, fontsize=11)
+    figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

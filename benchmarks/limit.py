@@ -60,26 +60,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _common import (
+    LinearAdam,
     Measurement,
-    fsdp2_adam_after_one_step,
+    copy_fresh,
+    empty_except,
     launch,
-    local_tensors,
     measure,
     scratch_directory,
     summary,
     worst_rank,
-    zero_adam_after_one_step,
 )
 from _plot import add_plot_option, seconds_panel, write_chart
 from ignite.engine import Engine
-from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
-from ignite_zero.adapters import ZeROState
-from ignite_zero.adapters.fsdp import FSDPModelState, FSDPOptimizerState
-from ignite_zero.storage.places import fsync_path
-from ignite_zero.storage.savers.sharded import share
 
 #: Each path, and the floor its ratios are taken against.
 FLOORS = {
@@ -139,93 +133,6 @@ def _read_raw(path: Path, tensors: list[torch.Tensor]) -> None:
                 view = view[done:]
 
 
-def _copy(source: Path, target: Path, cold: bool) -> None:
-    """Copy the file or directory ``source`` to ``target``, then read every file of the copy once, or, ``cold``,
-    flush it to the disk and drop it from the page cache (dirty pages would stay)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if source.is_dir():
-        shutil.copytree(source, target)
-    else:
-        shutil.copyfile(source, target)
-    for path in [target] if target.is_file() else sorted(p for p in target.rglob("*") if p.is_file()):
-        with open(path, "rb", buffering=0) as f:
-            if cold:
-                os.fsync(f.fileno())
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            else:
-                while f.read(8 << 20):
-                    pass
-
-
-def _empty(directory: Path, keep: set[Path]) -> None:
-    """Remove everything in ``directory``, but only the contents of the directories ``keep`` (savers' own)."""
-    for path in directory.iterdir():
-        if path in keep:
-            _empty(path, set())
-        elif path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-
-
-class _Setup:
-    """One rank's model and optimizer, what it writes and reads raw, and the sharded state DCP saves and loads."""
-
-    def __init__(self, kind: str, layers: int, width: int, rank: int, world_size: int) -> None:
-        torch.manual_seed(0)  # every rank holds the same model before sharding
-        self.kind = kind
-        if kind == "zero":
-            self.model: nn.Module = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
-            self.optimizer: Any = zero_adam_after_one_step(self.model)
-            shard = ZeROState(self.optimizer).sharded_state_dict()
-            self.own = local_tensors(
-                {"model": share(self.model.state_dict(), rank, world_size, keeper=0), "opt": shard}
-            )
-        else:
-            self.model, self.optimizer = fsdp2_adam_after_one_step(layers * (width * width + width), width)
-            model_state = FSDPModelState(self.model, 0).sharded_state_dict()
-            optimizer_state = FSDPOptimizerState(self.model, self.optimizer, 0).sharded_state_dict()
-            self.own = local_tensors({"model": model_state, "optimizer": optimizer_state})
-        self.own = [t.contiguous() for t in self.own]
-        # what a load reads: ZeRO ranks the whole model (every rank holds it) and their optimizer shard
-        self.needed = self.own if kind != "zero" else [*self.model.state_dict().values(), *local_tensors(shard)]
-        self.needed_bytes = sum(t.numel() * t.element_size() for t in self.needed)
-        self.own_bytes = sum(t.numel() * t.element_size() for t in self.own)
-        total = torch.tensor([self.own_bytes], dtype=torch.int64)
-        dist.all_reduce(total)
-        self.total_bytes = int(total)
-        self.objects = {"model": self.model, "optimizer": self.optimizer}
-        # ZeRO's torch.save floor writes the state consolidated once, beforehand, on rank 0
-        self.full = None
-        if kind == "zero":
-            self.full = {"model": self.model.state_dict(), "optimizer": ZeROState(self.optimizer).state_dict()}
-
-    def dcp_state(self) -> dict[str, Any]:
-        if self.kind == "zero":
-            return {"model": self.model.state_dict(), "optimizer": ZeROState(self.optimizer).sharded_state_dict()}
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optimizer": optimizer_state}
-
-    def dcp_load(self, checkpoint: Path) -> None:
-        state = self.dcp_state()
-        dcp.load(state, checkpoint_id=checkpoint)
-        if self.kind == "fsdp2":
-            set_state_dict(
-                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-            )
-
-    def torch_full(self, rank: int, path: Path) -> None:
-        if self.kind == "zero":
-            full = self.full
-        else:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
-            full = {"model": model_state, "optimizer": optimizer_state}
-        if rank == 0:
-            torch.save(full, path)
-            fsync_path(path)
-
-
 def _rank(
     rank: int,
     world_size: int,
@@ -242,7 +149,7 @@ def _rank(
     """Every path of ``paths`` in interleaved rounds; ``cold``: loads read from the disk, not the page cache.
     ``profile``: each path once after a warm-up instead, under cProfile: its ``profile`` costliest functions.
     ``memory``: each path once after a warm-up instead, its growth of this rank's memory against the rank's bytes."""
-    setup = _Setup(kind, layers, width, rank, world_size)
+    setup = LinearAdam(kind, layers, width, rank, world_size)
     out, kept = directory / "out", directory / "kept"
     engine = Engine(lambda e, b: None)
 
@@ -292,7 +199,7 @@ def _rank(
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
         if name in LOADS and (name == "read" or rank == 0):
-            _copy(kept_reads[name], loaded[name], cold)
+            copy_fresh(kept_reads[name], loaded[name], cold)
         gc.collect()
         dist.barrier()
         if profiler is not None:
@@ -307,7 +214,7 @@ def _rank(
             profiler.disable()
         dist.barrier()
         if rank == 0:  # no path pays for removing what an earlier one wrote
-            _empty(out, keep={sharded_saver, consolidated_saver})
+            empty_except(out, keep={sharded_saver, consolidated_saver})
         dist.barrier()
         return elapsed
 
