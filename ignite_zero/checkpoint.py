@@ -25,7 +25,7 @@ from ignite.engine import Engine, Events
 from ignite.handlers import checkpoint as ignite_checkpoint
 from ignite.handlers.checkpoint import BaseSaveHandler
 
-from ignite_zero import tree
+from ignite_zero import collector, tree
 from ignite_zero._compat import CheckpointEvents
 from ignite_zero.adapters import ShardedState, adapt
 from ignite_zero.agreement import (
@@ -214,6 +214,10 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         return self.saver.location(retained[-1][1]) if retained else None
 
     def __call__(self, engine: Engine, *args: Any, **kwargs: Any) -> None:
+        with collector.paused():  # a save makes many objects, keeps few, and would set off passes over the heap
+            self._save(engine)
+
+    def _save(self, engine: Engine) -> None:
         if not engine.has_registered_events(CheckpointEvents.SAVED_CHECKPOINT):
             engine.register_events(*CheckpointEvents)
         saver = self.saver

@@ -11,7 +11,7 @@ PACKAGE = Path(ignite_zero.__file__).parent
 # Lowest first. A module may import from its own role and from the layers below it, never from one above.
 LAYERS: list[set[str]] = [
     {"_compat"},
-    {"tree", "pickling", "naming", "rng", "sampling"},
+    {"tree", "pickling", "naming", "rng", "sampling", "collector"},
     {"staging"},
     {"agreement", "transport", "storage.places"},
     {"storage.formats"},

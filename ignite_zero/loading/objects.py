@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ignite_zero import transport, tree
+from ignite_zero import collector, transport, tree
 from ignite_zero.adapters import ShardedState, adapt, deferred, in_loadable_form
 from ignite_zero.agreement import Hosts, hosts_of_ranks, rank_and_world, settle, together
 from ignite_zero.loading.entries import ShardedEntry, entries_for, entries_of
@@ -64,6 +64,18 @@ def restore(
     kwargs: Mapping,
 ) -> None:
     """Restore ``to_load`` from ``checkpoint``; see :meth:`ignite_zero.Checkpoint.load_objects`."""
+    with collector.paused():  # a load makes many objects, keeps few, and would set off passes over the heap
+        _restore_reading(to_load, checkpoint, weights_only, sync_timeout, storage_options, kwargs)
+
+
+def _restore_reading(
+    to_load: Mapping,
+    checkpoint: str | Path | Mapping,
+    weights_only: bool,
+    sync_timeout: float,
+    storage_options: Mapping[str, Any] | None,
+    kwargs: Mapping,
+) -> None:
     objects = None
     try:
         objects = adapt(to_load, 0)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ignite_zero import _compat
+from ignite_zero import _compat, collector
 from ignite_zero.storage.formats.base import IntegrityError, UnsafeCheckpointError
 
 __all__ = ["TRUST_HINT", "load_metadata", "load_value", "refusing_code"]
@@ -64,14 +64,15 @@ def load_metadata(content: bytes, where: str, trusted: bool = False) -> Any:
     Raises:
         UnsafeCheckpointError: it holds anything but DCP's metadata, unless ``trusted``.
     """
-    if trusted:
-        return pickle.loads(content)
-    try:
-        return _MetadataUnpickler(content, where).load()
-    except UnsafeCheckpointError:
-        raise
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as error:
-        raise IntegrityError(f"{where} is not DCP's metadata ({error}): corrupt or truncated") from error
+    with collector.paused():  # hundreds of thousands of objects, no garbage
+        if trusted:
+            return pickle.loads(content)
+        try:
+            return _MetadataUnpickler(content, where).load()
+        except UnsafeCheckpointError:
+            raise
+        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as error:
+            raise IntegrityError(f"{where} is not DCP's metadata ({error}): corrupt or truncated") from error
 
 
 @contextmanager
