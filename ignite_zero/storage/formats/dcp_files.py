@@ -28,6 +28,7 @@ import dataclasses
 import io
 import os
 import pickle
+import struct
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
@@ -152,6 +153,7 @@ class PlaceStorageWriter(StorageWriter):
         self.records: dict[str, list[EntryRecord]] = {}
         self.rank: int | None = None
         self.use_collectives = True
+        self.metadata_file: MetadataFile | None = None
         self.save_id = uuid.uuid4().hex
 
     def reset(self, checkpoint_id: str | os.PathLike | Place | None = None) -> None:
@@ -218,11 +220,16 @@ class PlaceStorageWriter(StorageWriter):
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """On the coordinator: write ``.metadata``, last."""
+        """On the coordinator: write ``.metadata``, last (its bytes kept in :attr:`metadata_file`)."""
         metadata.version = _compat.DCP_VERSION
         metadata.storage_data = {result.index: result.storage_data for part in results for result in part}
-        metadata.storage_meta = self.storage_meta()
-        content = pickle.dumps(metadata)
+        self.metadata_file = MetadataFile(metadata)
+        self.write_metadata(self.metadata_file)
+
+    def write_metadata(self, metadata_file: MetadataFile) -> None:
+        """On the coordinator: write ``.metadata`` from ``metadata_file``, with this save's storage facts, last."""
+        storage_meta = self.storage_meta()
+        content = metadata_file.content(str(storage_meta.checkpoint_id), storage_meta.save_id)
         self.place.write(METADATA, lambda f: f.write(content))
         crc = zlib_ng.crc32(content)
         self.written[METADATA] = (len(content), crc)
@@ -238,6 +245,44 @@ class PlaceStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return False  # given explicitly, never picked by DCP from a path
+
+
+class MetadataFile:
+    """The bytes of ``.metadata`` for one plan and the places its entries were written in, pickled once: a later save
+    of the same plan whose files hold every entry where this one's did puts its own storage facts (the checkpoint's
+    location and the save's id) into the same bytes, rather than pickle thousands of entries again.
+
+    Args:
+        metadata: the save's metadata, its ``storage_data`` filled in; its ``storage_meta`` is this class's to set.
+    """
+
+    def __init__(self, metadata: Metadata) -> None:
+        stand_ins = [f"ignite_zero-{what}-{uuid.uuid4().hex}" for what in ("location", "save")]
+        marked = dataclasses.replace(metadata, storage_meta=StorageMeta(checkpoint_id=stand_ins[0], save_id=stand_ins[1]))
+        # protocol 2: a string is its length and its bytes, and nothing records where anything lies (no frames), so
+        # one string can take the place of another of any length
+        content = pickle.dumps(marked, protocol=2)
+        before, rest = _split_at(content, _pickled_string(stand_ins[0]))
+        between, after = _split_at(rest, _pickled_string(stand_ins[1]))
+        self._pieces = (before, between, after)
+
+    def content(self, checkpoint_id: str, save_id: str) -> bytes:
+        """``.metadata``'s bytes for a save into ``checkpoint_id`` whose id is ``save_id``."""
+        before, between, after = self._pieces
+        return b"".join((before, _pickled_string(checkpoint_id), between, _pickled_string(save_id), after))
+
+
+def _pickled_string(text: str) -> bytes:
+    """``text`` as protocol 2 pickles a string it has not met before: ``BINUNICODE``, its length, its UTF-8."""
+    encoded = text.encode("utf-8", "surrogatepass")
+    return b"X" + struct.pack("<I", len(encoded)) + encoded
+
+
+def _split_at(content: bytes, piece: bytes) -> tuple[bytes, bytes]:
+    """What comes before and after the one occurrence of ``piece`` in ``content``."""
+    before, found, after = content.partition(piece)
+    assert found and piece not in after, "a stand-in string pickled once, as BINUNICODE"
+    return before, after
 
 
 def _split(items: list[WriteItem], count: int) -> list[list[WriteItem]]:

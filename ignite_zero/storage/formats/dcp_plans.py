@@ -28,6 +28,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -37,8 +38,9 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 
 from ignite_zero import _compat
+from ignite_zero.storage.formats.dcp_files import MetadataFile, PlaceStorageWriter
 
-__all__ = ["Offer", "SavePlanning", "as_saved"]
+__all__ = ["Offer", "SavePlanning", "WrittenPart", "as_saved"]
 
 
 def as_saved(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -95,6 +97,41 @@ class Offer:
 
 
 @dataclasses.dataclass(frozen=True)
+class WrittenPart:
+    """Where a rank wrote each item of its part of the global plan, in the plan's order: what the write results say,
+    as a few arrays that travel to the coordinator in one piece, not thousands of objects to pickle and build again.
+
+    Attributes:
+        files: the names of the files written.
+        places: a row per item: the number of its file in ``files``, its offset there and its length.
+    """
+
+    files: tuple[str, ...]
+    places: np.ndarray
+
+    @classmethod
+    def of(cls, plan: SavePlan, results: Sequence[WriteResult]) -> WrittenPart:
+        """The places of ``results``, DCP's results of writing ``plan``."""
+        by_index = {result.index: result.storage_data for result in results}
+        files: dict[str, int] = {}
+        rows = []
+        for item in plan.items:
+            info = by_index[item.index]
+            rows.append((files.setdefault(info.relative_path, len(files)), info.offset, info.length))
+        return cls(tuple(files), np.array(rows, dtype=np.int64).reshape(-1, 3))
+
+    def results(self, plan: SavePlan) -> list[WriteResult]:
+        """DCP's results of writing ``plan``, the part these places are of."""
+        return [
+            WriteResult(item.index, length, _compat.dcp_storage_info(self.files[file], offset, length))
+            for item, (file, offset, length) in zip(plan.items, self.places.tolist(), strict=True)
+        ]
+
+    def same_places(self, other: WrittenPart) -> bool:
+        return self.files == other.files and np.array_equal(self.places, other.places)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Agreement:
     members: tuple[int, ...]
     position: int  # this rank's among them
@@ -102,6 +139,7 @@ class _Agreement:
     local_plans: list[SavePlan]  # every rank's, in the order of members
     central_plan: SavePlan  # this rank's part of the global plan
     metadata: Metadata | None  # the coordinator's only
+    global_plans: list[SavePlan] | None  # the coordinator's only
 
 
 class SavePlanning:
@@ -123,6 +161,8 @@ class SavePlanning:
         self._planned: tuple[list[Any], SavePlan] | None = None  # the layout of the last local plan made, and that plan
         self._members: tuple[int, ...] = ()
         self._position = 0
+        # the coordinator's: where the last save under the kept agreement wrote, and its .metadata
+        self._written: tuple[list[WrittenPart], MetadataFile] | None = None
 
     @property
     def central_plan(self) -> SavePlan | None:
@@ -133,6 +173,11 @@ class SavePlanning:
     def metadata(self) -> Metadata | None:
         """The agreed ``.metadata``, but for the write results; on the coordinator only."""
         return None if self._kept is None else self._kept.metadata
+
+    @property
+    def metadata_file(self) -> MetadataFile | None:
+        """The coordinator's ``.metadata`` of the last save under the kept agreement; ``None`` elsewhere."""
+        return None if self._written is None else self._written[1]
 
     @property
     def is_coordinator(self) -> bool:
@@ -166,7 +211,8 @@ class SavePlanning:
         kept = self._kept
         if kept is None or (kept.members, kept.position) != (self._members, self._position):
             return self.full_offer()
-        same = kept.local_plans[self._position] == self._local_plan
+        own = kept.local_plans[self._position]
+        same = own is self._local_plan or own == self._local_plan
         return Offer(kept.number, self._latest, None if same else self._local_plan)
 
     def full_offer(self) -> Offer:
@@ -197,16 +243,18 @@ class SavePlanning:
         if kept is not None and all(offer.plan is None for offer in offers):
             return True
         plans = [offer.plan or kept.local_plans[n] for n, offer in enumerate(offers)]  # type: ignore[union-attr]
+        plans[self._position] = self._local_plan  # not the round's copy: the next offer finds it kept by identity
         assert self._planner is not None, "offer() first"
         global_plans, metadata = self._planner.create_global_plan(plans)
         global_plans = writer.prepare_global_plan(global_plans)
         self._latest += 1
         central_plan = global_plans[self._position]
-        coordinated = metadata if self.is_coordinator else None
-        self._kept = _Agreement(self._members, self._position, self._latest, plans, central_plan, coordinated)
+        coordinated = (metadata, global_plans) if self.is_coordinator else (None, None)
+        self._kept = _Agreement(self._members, self._position, self._latest, plans, central_plan, *coordinated)
+        self._written = None
         return True
 
-    def write(self, writer: StorageWriter, staged: Mapping[str, Any] | None = None) -> list[WriteResult]:
+    def write(self, writer: StorageWriter, staged: Mapping[str, Any] | None = None) -> WrittenPart:
         """Write this rank's part of the agreed plan.
 
         Args:
@@ -215,27 +263,36 @@ class SavePlanning:
                 save's, whose planned state may be released meanwhile).
 
         Returns:
-            DCP's results of the writes, for :meth:`finish` on the coordinator.
+            Where each item was written, for :meth:`finish` on the coordinator.
         """
         kept, planner = self._kept, self._planner
         if staged is not None:
             planner = _LocalTensorSavePlanner()
             planner.set_up_planner(state_dict=dict(staged), is_coordinator=self.is_coordinator)
         assert planner is not None and kept is not None, "offer() and make_global_plans() first"
-        writes = writer.write_data(planner.finish_plan(kept.central_plan), planner)
+        plan = planner.finish_plan(kept.central_plan)
+        writes = writer.write_data(plan, planner)
         writes.wait()
-        return writes.value()
+        return WrittenPart.of(plan, writes.value())
 
-    def finish(self, writer: StorageWriter, results: Sequence[Sequence[WriteResult]]) -> None:
-        """On the coordinator, once every rank wrote: ``.metadata``.
+    def finish(self, writer: PlaceStorageWriter, parts: Sequence[WrittenPart]) -> None:
+        """On the coordinator, once every rank wrote: ``.metadata``; the last save's bytes again where every rank
+        wrote every item where it did then (the same plans, the same sizes), with this save's storage facts.
 
         Args:
             writer: the storage writer that :meth:`offer` was given.
-            results: every rank's results of :meth:`write`, in the order of the members.
+            parts: every rank's result of :meth:`write`, in the order of the members.
         """
-        kept = self._kept
+        kept, written = self._kept, self._written
         assert kept is not None and kept.metadata is not None, "the coordinator's make_global_plans() first"
-        writer.finish(metadata=kept.metadata, results=[list(part) for part in results])
+        assert kept.global_plans is not None
+        if written is not None and all(a.same_places(b) for a, b in zip(written[0], parts, strict=True)):
+            writer.write_metadata(written[1])
+            return
+        results = [part.results(plan) for part, plan in zip(parts, kept.global_plans, strict=True)]
+        writer.finish(metadata=kept.metadata, results=results)
+        assert writer.metadata_file is not None
+        self._written = (list(parts), writer.metadata_file)
 
     def release(self) -> None:
         """Drop what this save holds of the state (the planner refers to its tensors); plans stay kept."""

@@ -26,7 +26,7 @@ from ignite_zero.agreement import (
 )
 from ignite_zero.storage import replicas as replicas_
 from ignite_zero.storage.formats import directory as sharded
-from ignite_zero.storage.formats.dcp_plans import Offer, SavePlanning
+from ignite_zero.storage.formats.dcp_plans import Offer, SavePlanning, WrittenPart
 from ignite_zero.storage.places import Place
 from ignite_zero.storage.savers.destination import check_room, package_version, serialized_size
 from ignite_zero.transport.groups import cpu_group, discard_group
@@ -272,8 +272,8 @@ class ShardedCommit:
         finally:
             self.planning.release()  # the write reads the host copies: the state itself may change meanwhile
 
-    def write(self, staged: Mapping[str, Any] | None = None) -> Sequence[Any] | Exception:
-        """This rank's files, as planned (from ``staged``, its host copy, if given): DCP's write results, or the
+    def write(self, staged: Mapping[str, Any] | None = None) -> WrittenPart | Exception:
+        """This rank's files, as planned (from ``staged``, its host copy, if given): where each item went, or the
         failure to share in the next round."""
         self.started = self.started or time.perf_counter()
         try:
@@ -283,12 +283,12 @@ class ShardedCommit:
         finally:
             self.planning.release()
 
-    def finish(self, wrote: Sequence[Any] | Exception, group: Any = None) -> None:
-        """Collective, once this rank wrote its files (``wrote``: DCP's results, or the failure): :meth:`check`,
+    def finish(self, wrote: WrittenPart | Exception, group: Any = None) -> None:
+        """Collective, once this rank wrote its files (``wrote``: where each item went, or the failure): :meth:`check`,
         then :meth:`seal`. ``group``: the gloo group that replicas travel over where no relay sent them."""
         self.seal(self.check(wrote, group))
 
-    def check(self, wrote: Sequence[Any] | Exception, group: Any = None) -> AgreedFiles:
+    def check(self, wrote: WrittenPart | Exception, group: Any = None) -> AgreedFiles:
         """Collective: every rank's results to the coordinator, which writes ``.metadata``; then every rank's files
         to the writing rank. With replicas, each rank's files also go to its partners on other hosts (through the
         relay as they were written, else now), and every rank learns that all of them arrived.
@@ -325,7 +325,7 @@ class ShardedCommit:
                 raise
         return AgreedFiles(by_rank, records)
 
-    def _gather_results(self, wrote: Sequence[Any] | Exception) -> tuple[Exception | None, BaseException | None]:
+    def _gather_results(self, wrote: WrittenPart | Exception) -> tuple[Exception | None, BaseException | None]:
         """Collective: every rank's write results to the coordinator, which writes ``.metadata``.
 
         Returns:
@@ -333,10 +333,10 @@ class ShardedCommit:
             to report in the next round.
         """
         failure: BaseException | None = wrote if isinstance(wrote, Exception) else None
-        results: Sequence[Any] = [] if isinstance(wrote, Exception) else wrote
+        written = None if isinstance(wrote, Exception) else wrote
         what = f"writing of {self.filename}"
         try:
-            every_rank = settle(failure, what=what, payload=results, to=self.members[0], **self._round())
+            every_rank = settle(failure, what=what, payload=written, to=self.members[0], **self._round())
             if self.planning.is_coordinator:  # the first member; through the relay too, like any file
                 self.planning.finish(self.writer, every_rank)
         except (RankFailureError, CollectiveTimeoutError) as error:

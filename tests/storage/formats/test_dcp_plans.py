@@ -2,6 +2,8 @@
 the offers that a round of the saver shares, here handed over in one process; the saves that go through real rounds
 are in test_sharded.py, and here the kept plans of real saves, read back by DCP's own reader."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from launcher import run_ranks
@@ -136,3 +138,41 @@ def _save_as_the_layout_changes(rank, world_size, dirname):
 @pytest.mark.distributed
 def test_plans_are_kept_while_the_layout_holds_and_made_afresh_when_it_changes(tmp_path):
     assert run_ranks(_save_as_the_layout_changes, 2, tmp_path) == [[True, False, False, False, False, False]] * 2
+
+
+def _metadata_of_kept_plans(rank, world_size, dirname):
+    """Saves of a DTensor and a value under one plan, the value's pickle now as long as before, now longer, each read
+    back by DCP's own reader; on the coordinator, whether each save after the first wrote the ``.metadata`` bytes of
+    the one before, and what each ``.metadata`` says of its save."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from ignite_zero import ShardedSaver
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    saver = ShardedSaver(dirname)
+    files, facts = [], []
+    for step, note in enumerate(["abc", "xyz", "a longer note" * 20, "a longer note" * 20]):
+        full = torch.arange(24.0).reshape(4, 6) * (step + 1)
+        saver.save_state({"w": distribute_tensor(full, mesh, [Shard(0)]), "note": note}, f"save{step}")
+        read = {"w": distribute_tensor(torch.zeros_like(full), mesh, [Replicate()]), "note": ""}
+        dcp.load(read, checkpoint_id=dirname / f"save{step}")
+        assert torch.equal(read["w"].to_local(), full) and read["note"] == note, step
+        files.append(saver.kept.planning["main"].metadata_file)
+        metadata = pickle.loads((dirname / f"save{step}" / ".metadata").read_bytes())
+        facts.append((metadata.storage_meta.checkpoint_id, metadata.storage_meta.save_id))
+    if rank != 0:
+        return None
+    # the directory the save wrote into (it is renamed into place once sealed)
+    assert [Path(where).parent for where, _ in facts] == [dirname] * 4
+    assert all(f"save{step}" in Path(where).name for step, (where, _) in enumerate(facts)), facts
+    assert len({save_id for _, save_id in facts}) == 4
+    return [later is earlier for earlier, later in zip(files, files[1:])]
+
+
+@pytest.mark.distributed
+def test_metadata_is_pickled_again_only_where_an_entry_moved(tmp_path):
+    assert run_ranks(_metadata_of_kept_plans, 2, tmp_path)[0] == [True, False, True]

@@ -236,18 +236,19 @@ def _metadata_fails_on_the_coordinator(rank, world_size, dirname):
     checkpoint, holder, engine = _zero_and_a_holder(rank, dirname)
     engine.state.iteration = 1
     checkpoint(engine)
-    finish = sharded.DirectoryWriter.finish
+    write_metadata = sharded.DirectoryWriter.write_metadata
 
-    def failing(self, metadata, results):
+    def failing(self, metadata_file):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    sharded.DirectoryWriter.finish = failing  # called on the coordinator only
+    # called on the coordinator only; the save's plan is the first one's, so its .metadata is the first one's again
+    sharded.DirectoryWriter.write_metadata = failing
     engine.state.iteration = 2
     try:
         with pytest.raises(RankFailureError, match=r"rank 0: OSError: \[Errno 28\] No space left on device"):
             checkpoint(engine)
     finally:
-        sharded.DirectoryWriter.finish = finish
+        sharded.DirectoryWriter.write_metadata = write_metadata
     left = sorted(name for name in os.listdir(dirname) if not name.startswith("."))
     holder.x = holder.x * 3
     engine.state.iteration = 3
