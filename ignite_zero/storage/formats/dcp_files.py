@@ -96,6 +96,7 @@ class _Output:
         self.size = 0
         self.crc = 0
         self.records: list[EntryRecord] = []
+        self._alignment = _compat.storage_alignment()  # read once: torch's setting costs more than a small entry
 
     def write(self, data: Any) -> None:
         view = memoryview(data)
@@ -122,7 +123,7 @@ class _Output:
 
     def tensor(self, tensor: torch.Tensor) -> EntryRecord:
         offset = self.size
-        archive = torch_zip.write_archive(self.write, tensor)
+        archive = torch_zip.write_archive(self.write, tensor, alignment=self._alignment)
         data = archive.record("data/0")
         return self._entry(EntryRecord(offset, archive.size, archive.crc, offset + data.offset, data.crc))
 

@@ -392,6 +392,7 @@ def write_archive(
     obj: Any,
     source: Callable[[memoryview], Iterable[memoryview]] | None = None,
     pickle_protocol: int = PICKLE_PROTOCOL,
+    alignment: int | None = None,
 ) -> Archive:
     """Write ``obj`` to ``stream`` as ``torch.save(obj, stream)`` would, storages straight from their memory.
 
@@ -402,6 +403,8 @@ def write_archive(
             in order: for a caller whose bytes are still arriving, or lie elsewhere (a consolidated save), to wait
             for them or point to them.
         pickle_protocol: ``torch.save``'s argument of that name.
+        alignment: torch's alignment of records' data, read by a caller that writes many archives at once (reading
+            torch's setting costs more than writing a small tensor's archive); torch's setting by default.
 
     Returns:
         Where each record lies in what was written, and the CRC-32 of all of it.
@@ -410,13 +413,26 @@ def write_archive(
     layout = _lone_tensor_layout(obj) if source is None else None
     if layout is None or not 0 < layout[1] <= _SMALL:
         return _write_records(write, obj, source, pickle_protocol)
-    key = (pickle_protocol, _compat.storage_alignment(), *layout)
+    key = (pickle_protocol, _compat.storage_alignment() if alignment is None else alignment, *layout)
     template = _LONE_TENSOR_ARCHIVES.get(key)  # one look: writing threads may clear it meanwhile
     if template is None:
         if len(_LONE_TENSOR_ARCHIVES) >= _PICKLES_KEPT:
             _LONE_TENSOR_ARCHIVES.clear()
         template = _LONE_TENSOR_ARCHIVES[key] = _LoneTensorArchive(obj, pickle_protocol)
-    return template.write(write, tensor_bytes(obj.untyped_storage()))
+    return template.write(write, _storage_bytes(obj, layout))
+
+
+def _storage_bytes(tensor: torch.Tensor, layout: tuple[Any, ...]) -> memoryview:
+    """The bytes of the storage of a plain CPU ``tensor`` of ``layout`` (see :func:`_lone_tensor_layout`): through
+    numpy straight from the tensor where it is the whole of its storage and numpy has its dtype, the cheapest way."""
+    dtype, nbytes, offset, *_, conjugate, negative = layout
+    whole = offset == 0 and tensor.numel() * dtype.itemsize == nbytes and tensor.is_contiguous()
+    if whole and not conjugate and not negative:  # numpy would resolve those bits, torch saves them as they are
+        try:
+            return memoryview(tensor.detach().numpy()).cast("B")
+        except TypeError:  # a dtype numpy lacks (bfloat16, float8...)
+            pass
+    return tensor_bytes(tensor.untyped_storage())
 
 
 def _write_records(
