@@ -1,0 +1,60 @@
+"""DCP's files as written by us (ignite_zero.storage.formats.dcp_files): ``.metadata`` pickled once, its storage facts
+put in per save; the directories themselves are tested end to end in test_sharded.py and test_dcp_plans.py."""
+
+import pickle
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ignite_zero import _compat
+from ignite_zero.storage.formats.dcp_files import MetadataFile
+from ignite_zero.storage.formats.trust import load_metadata
+
+
+def _metadata(entries):
+    described, places, offset = {}, {}, 0
+    for n in range(entries):
+        name = f"layers.{n}.weight"
+        chunks = [
+            ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 4])),
+            ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 4])),
+        ]
+        described[name] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 4]), chunks)
+        for rank, chunk in enumerate(chunks):
+            places[MetadataIndex(name, chunk.offsets)] = _compat.dcp_storage_info(f"__{rank}_0.distcp", offset, 100 + n)
+            offset += 100 + n
+    described["step"] = BytesStorageMetadata()
+    places[MetadataIndex("step")] = _compat.dcp_storage_info("__0_0.distcp", offset, 7)
+    planner_data = {name: tuple(name.split(".", 1)) for name in described}
+    return Metadata(described, planner_data=planner_data, storage_data=places)
+
+
+@pytest.mark.parametrize(
+    "checkpoint_id", ["/ckpt/checkpoint_3.dcp", "s3://bucket/" + "deep/" * 80 + "checkpoint.dcp", "/données/ckpt"]
+)
+def test_metadata_is_the_same_with_each_save_s_storage_facts(checkpoint_id):
+    metadata = _metadata(300)
+    metadata_file = MetadataFile(metadata)
+    for save_id in ("a", "b" * 300):
+        content = metadata_file.content(checkpoint_id, save_id)
+        for loaded in (pickle.loads(content), load_metadata(content, "here")):
+            assert loaded.state_dict_metadata == metadata.state_dict_metadata
+            assert loaded.storage_data == metadata.storage_data
+            assert loaded.planner_data == metadata.planner_data
+            assert (loaded.storage_meta.checkpoint_id, loaded.storage_meta.save_id) == (checkpoint_id, save_id)
+
+
+def test_metadata_refers_again_to_what_entries_hold_alike():
+    loaded = pickle.loads(MetadataFile(_metadata(50)).content("/ckpt", "id"))
+    tensors = [entry for entry in loaded.state_dict_metadata.values() if isinstance(entry, TensorStorageMetadata)]
+    assert len({id(entry.properties) for entry in tensors}) == 1
+    assert len({id(entry.size) for entry in tensors}) == 1
+    assert len({id(info.relative_path) for info in loaded.storage_data.values()}) == 2
