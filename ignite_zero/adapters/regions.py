@@ -182,19 +182,44 @@ def _check_cover(key: tuple[Any, ...], boxes: list[Box], space: tuple[int, ...],
     """
     described = sorted(str(layout) for layout in layouts if layout is not None)
     held = f" (held as {', '.join(described)})" if described else ""
-    if len(boxes) > 1:
-        # Vectorised: ranks x ranks comparisons stay fast at thousands of pieces.
-        start = torch.tensor([box.offsets for box in boxes], dtype=torch.int64)
-        end = start + torch.tensor([box.sizes for box in boxes], dtype=torch.int64)
-        overlap = ((start[:, None] < end[None]) & (start[None] < end[:, None])).all(dim=-1)
-        overlap.fill_diagonal_(False)
-        if overlap.any():
-            a, b = (int(i) for i in overlap.nonzero()[0])
-            hint = "; is each rank's local tensor one block of the full tensor?" if held else ""
-            raise RuntimeError(f"Pieces of {_name(key)} overlap: {boxes[a]} and {boxes[b]}{held}{hint}")
+    overlapping = _first_overlap(boxes)
+    if overlapping is not None:
+        a, b = overlapping
+        hint = "; is each rank's local tensor one block of the full tensor?" if held else ""
+        raise RuntimeError(f"Pieces of {_name(key)} overlap: {boxes[a]} and {boxes[b]}{held}{hint}")
     covered = sum(box.numel for box in boxes)
     if covered != math.prod(space):
         raise RuntimeError(f"Pieces of {_name(key)} cover {covered} of its {math.prod(space)} elements{held}")
+
+
+# Up to this many boxes of a tensor are compared pair by pair in Python; more at once, vectorised: building tensors
+# costs more than comparing a few boxes (a save of thousands of tensors held by a few ranks each), and less than
+# comparing thousands of pieces pair by pair.
+_COMPARED_IN_PYTHON = 16
+
+
+def _first_overlap(boxes: list[Box]) -> tuple[int, int] | None:
+    """The positions of two of ``boxes`` that overlap, if any do."""
+    if len(boxes) <= _COMPARED_IN_PYTHON:
+        for a, first in enumerate(boxes):
+            for b in range(a + 1, len(boxes)):
+                second = boxes[b]
+                if all(
+                    start < other_start + other_size and other_start < start + size
+                    for start, size, other_start, other_size in zip(
+                        first.offsets, first.sizes, second.offsets, second.sizes
+                    )
+                ):
+                    return a, b
+        return None
+    start = torch.tensor([box.offsets for box in boxes], dtype=torch.int64)
+    end = start + torch.tensor([box.sizes for box in boxes], dtype=torch.int64)
+    overlap = ((start[:, None] < end[None]) & (start[None] < end[:, None])).all(dim=-1)
+    overlap.fill_diagonal_(False)
+    if not overlap.any():
+        return None
+    a, b = (int(i) for i in overlap.nonzero()[0])
+    return a, b
 
 
 def _choose_sources(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -476,3 +477,38 @@ def test_blocks_that_overlap_leave_gaps_or_disagree_are_errors() -> None:
             manifests(Box((4, 4), (0, 0), (2, 4)), Box((4, 4), (2, 0), (2, 4)), layouts=(Layout((0, 1)), Layout((1,)))),
             0,
         )
+
+
+@pytest.mark.parametrize("compared_in_python", [0, 64])
+def test_overlapping_boxes_are_found_pair_by_pair_and_vectorised_alike(monkeypatch, compared_in_python) -> None:
+    monkeypatch.setattr(regions_module, "_COMPARED_IN_PYTHON", compared_in_python)
+    generator = random.Random(7)
+    found = 0
+    for _ in range(300):
+        boxes = []
+        for _ in range(generator.randint(2, 12)):
+            offsets = tuple(generator.randint(0, 6) for _ in range(2))
+            sizes = tuple(generator.randint(1, 3) for _ in range(2))
+            boxes.append(Box((10, 10), offsets, sizes))
+        expected = [
+            (a, b) for a in range(len(boxes)) for b in range(a + 1, len(boxes)) if _shared_cells(boxes[a], boxes[b])
+        ]
+        overlapping = regions_module._first_overlap(boxes)
+        assert (overlapping is None) == (not expected)
+        if overlapping is not None:
+            found += 1
+            assert tuple(sorted(overlapping)) in expected
+    assert found > 50
+
+
+def _shared_cells(first: Box, second: Box) -> bool:
+    """Whether two boxes of a 2-D tensor share a cell, counted cell by cell."""
+    cells = [
+        {
+            (i, j)
+            for i in range(box.offsets[0], box.offsets[0] + box.sizes[0])
+            for j in range(box.offsets[1], box.offsets[1] + box.sizes[1])
+        }
+        for box in (first, second)
+    ]
+    return bool(cells[0] & cells[1])
