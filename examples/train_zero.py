@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-dir", default=None, help="checkpoint directory (default: a temporary one)")
     parser.add_argument("--phase", choices=["train", "resume"], help="run one phase in an existing launch (torchrun)")
     parser.add_argument("--start-method", default="spawn", help="how idist.Parallel starts processes")
+    parser.add_argument("--master-port", type=int, help="a free port for the ranks to meet at (default: ignite's 2222)")
     args = parser.parse_args(argv)
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="ignite_zero-example-")
     config = {"epochs": args.epochs, "output_dir": output_dir, "resume": args.resume}
@@ -140,13 +141,12 @@ def main(argv: list[str] | None = None) -> None:
         with idist.Parallel(backend=args.backend) as parallel:
             parallel.run(train if args.phase == "train" else resume, config)
         return
-    with idist.Parallel(backend=args.backend, nproc_per_node=args.nproc_per_node, start_method=args.start_method) as p:
+    spawn = {"master_port": args.master_port, "start_method": args.start_method}
+    with idist.Parallel(backend=args.backend, nproc_per_node=args.nproc_per_node, **spawn) as p:
         p.run(train, config)
     if args.resume_nproc_per_node == 0:
         return
-    with idist.Parallel(
-        backend=args.backend, nproc_per_node=args.resume_nproc_per_node, start_method=args.start_method
-    ) as parallel:
+    with idist.Parallel(backend=args.backend, nproc_per_node=args.resume_nproc_per_node, **spawn) as parallel:
         parallel.run(resume, config)
 
 

@@ -19,8 +19,23 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 pytestmark = pytest.mark.distributed
 
 
-def test_main_example_trains_on_two_ranks_and_resumes_on_three(tmp_path):
-    command = [sys.executable, str(EXAMPLES / "train_zero.py"), "--output-dir", str(tmp_path), "--start-method", "fork"]
+def _main_example(output_dir: Path, port: int) -> list[str]:
+    """The main example's command, on a port of its own: tests run side by side, and ignite's default is one port."""
+    script = str(EXAMPLES / "train_zero.py")
+    return [
+        sys.executable,
+        script,
+        "--output-dir",
+        str(output_dir),
+        "--start-method",
+        "fork",
+        "--master-port",
+        str(port),
+    ]
+
+
+def test_main_example_trains_on_two_ranks_and_resumes_on_three(tmp_path, free_port):
+    command = _main_example(tmp_path, free_port)
     result = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-5000:]
     assert "[2 ranks] epoch 3: loss" in result.stdout
@@ -33,8 +48,8 @@ def test_main_example_trains_on_two_ranks_and_resumes_on_three(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_48.pt", "checkpoint_64.pt"]
 
 
-def test_main_example_resumes_automatically_from_the_newest_checkpoint(tmp_path):
-    command = [sys.executable, str(EXAMPLES / "train_zero.py"), "--output-dir", str(tmp_path), "--start-method", "fork"]
+def test_main_example_resumes_automatically_from_the_newest_checkpoint(tmp_path, free_port):
+    command = _main_example(tmp_path, free_port)
     command += ["--resume", "auto", "--resume-nproc-per-node", "0"]
     first = subprocess.run([*command, "--epochs", "2"], capture_output=True, text=True, timeout=240)
     assert first.returncode == 0, first.stderr[-5000:]
@@ -78,6 +93,8 @@ def test_fsdp2_example_resumes_and_exports_the_last_checkpoint(tmp_path, free_po
         str(tmp_path / "export"),
         "--start-method",
         "fork",
+        "--master-port",
+        str(free_port),
     ]
     (first,) = _finish(_example(script, *common, "--epochs", "1"))
     assert "[2 ranks] no checkpoint yet" in first and "[2 ranks] epoch 1: loss" in first
