@@ -189,8 +189,8 @@ def test_slurm_example_saves_on_usr1_mid_epoch_and_the_requeued_job_continues_at
     SLURM gives them (``SLURM_PROCID``...), on one node named ``localhost``. SIGUSR1 to one task, as
     ``--signal=USR1@90`` sends near the time limit, a few iterations into the second epoch: every rank saves at one
     iteration and exits with the status that the script requeues on. Started again, as a requeued job is, the tasks
-    resume from that checkpoint at the next batch: they train on the batches of an uninterrupted run, and end with
-    its checkpoint, bitwise."""
+    resume from that checkpoint at the next batch: they train on the rest of the epoch's batches of an uninterrupted
+    run, and end with its checkpoint, bitwise."""
     sbatch = EXAMPLES / "slurm" / "train.sbatch"
     assert {"#SBATCH --signal=USR1@90", "#SBATCH --requeue"} <= set(sbatch.read_text().splitlines())
     job, _ = _port_of_a_slurm_job()
@@ -229,14 +229,14 @@ def test_slurm_example_saves_on_usr1_mid_epoch_and_the_requeued_job_continues_at
     assert saved and Path(saved[1]).name == f"checkpoint_{saved[2]}.pt", outputs[0]
     assert saved[3] == "2" and int(saved[2]) % 64, saved[0]  # 64 iterations an epoch: stopped in the middle
 
-    resumed = _finish(*tasks(epochs=3, checkpoints=tmp_path / "ckpt"))
+    resumed = _finish(*tasks(epochs=2, checkpoints=tmp_path / "ckpt"))  # the rest of the interrupted epoch
     assert f"resumed from {saved[1]} at iteration {saved[2]}" in resumed[0], resumed[0]
-    assert "epoch 3: loss" in resumed[0] and "stopped by a signal" not in resumed[0]
-    uninterrupted = _finish(*tasks(epochs=3, checkpoints=tmp_path / "whole"))
+    assert "epoch 2: loss" in resumed[0] and "stopped by a signal" not in resumed[0]
+    uninterrupted = _finish(*tasks(epochs=2, checkpoints=tmp_path / "whole"))
     assert _batches(*outputs, *resumed) == _batches(*uninterrupted)
-    assert len(_batches(*uninterrupted)) == 2 * 3 * 64
-    last = torch.load(tmp_path / "ckpt" / "checkpoint_192.pt", weights_only=True)
-    assert_state_equal(last, torch.load(tmp_path / "whole" / "checkpoint_192.pt", weights_only=True))
+    assert len(_batches(*uninterrupted)) == 2 * 2 * 64
+    last = torch.load(tmp_path / "ckpt" / "checkpoint_128.pt", weights_only=True)
+    assert_state_equal(last, torch.load(tmp_path / "whole" / "checkpoint_128.pt", weights_only=True))
 
 
 def test_object_storage_example_saves_and_loads_both_modes(bucket, free_port):
