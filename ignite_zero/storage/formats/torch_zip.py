@@ -224,9 +224,11 @@ class _Writer:
         flags = _UTF8 | _DESCRIBED if size else _UTF8
         header = _LOCAL.pack(b"PK\x03\x04", 0, flags, 0, 0, 0, 0, 0, 0, len(full_name), len(extra))
         self._put(header + full_name + extra)
-        if size <= _SMALL and source is None:
-            crc = zlib_ng.crc32(view)
-            self._put(view)
+        if size <= _SMALL:  # gathered with the headers, arrived bytes too: small writes cost more than the copy
+            crc = 0
+            for part in (view,) if source is None else source(view):
+                crc = zlib_ng.crc32(part, crc)
+                self._put(part)
         else:
             self._flush()
             crc = 0
