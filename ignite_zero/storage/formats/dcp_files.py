@@ -315,7 +315,8 @@ def _without_frames(content: bytes) -> bytes:
     string object is written outside one)."""
     pieces, at = [content[:2]], 2
     while at < len(content):
-        assert content[at] == _FRAME, "every opcode of DCP's metadata in a frame"
+        if content[at] != _FRAME:
+            raise ValueError("DCP's metadata holds a value too large for a pickle's frame (a name of over 64 KiB?)")
         (length,) = struct.unpack_from("<Q", content, at + 1)
         pieces.append(content[at + 9 : at + 9 + length])
         at += 9 + length
@@ -325,8 +326,7 @@ def _without_frames(content: bytes) -> bytes:
 def _short_string(text: str) -> bytes:
     """``text`` as protocol 4 pickles a string of under 256 bytes it has not met before."""
     encoded = text.encode("utf-8", "surrogatepass")
-    assert len(encoded) < 256
-    return _SHORT_STRING + bytes([len(encoded)]) + encoded
+    return _SHORT_STRING + bytes([len(encoded)]) + encoded  # our stand-ins: under 60 bytes
 
 
 def _string(text: str) -> bytes:
@@ -338,7 +338,8 @@ def _string(text: str) -> bytes:
 def _split_at(content: bytes, piece: bytes) -> tuple[bytes, bytes]:
     """What comes before and after the one occurrence of ``piece`` in ``content``."""
     before, found, after = content.partition(piece)
-    assert found and piece not in after, "a stand-in string pickled once"
+    if not found or piece in after:  # a new uuid, pickled as a string once: never, unless pickle changes
+        raise ValueError("DCP's metadata was not pickled with its stand-in storage facts once each")
     return before, after
 
 
