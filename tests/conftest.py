@@ -1,4 +1,5 @@
 import os
+import random
 import socket
 import sys
 from collections.abc import Iterator
@@ -21,9 +22,22 @@ for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_
 
 
 def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port that nothing listens on, below the kernel's range of ephemeral ports: one of that range, free now, may
+    be taken by the local end of any connection (gloo's, between the ranks of a test beside this one) before the
+    processes that were given it meet there, seconds later."""
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    for _ in range(200):
+        port = random.randrange(10000, max(first_ephemeral, 10001))
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port between 10000 and {first_ephemeral} after 200 tries")
 
 
 @pytest.fixture
