@@ -213,11 +213,8 @@ class Checkpoint(ignite_checkpoint.Checkpoint):
         retained = self._retained()
         return self.saver.location(retained[-1][1]) if retained else None
 
+    @collector.paused()  # a save makes many objects, keeps few, and would set off passes over the heap
     def __call__(self, engine: Engine, *args: Any, **kwargs: Any) -> None:
-        with collector.paused():  # a save makes many objects, keeps few, and would set off passes over the heap
-            self._save(engine)
-
-    def _save(self, engine: Engine) -> None:
         if not engine.has_registered_events(CheckpointEvents.SAVED_CHECKPOINT):
             engine.register_events(*CheckpointEvents)
         saver = self.saver

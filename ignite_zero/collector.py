@@ -46,8 +46,9 @@ _PAUSES = _Pauses()
 
 @contextmanager
 def paused() -> Iterator[None]:
-    """Hold the cyclic garbage collector off for the ``with`` block (in every thread: the collector is the
-    process's); nested and concurrent blocks may overlap. A collector that was disabled before stays disabled."""
+    """Hold the cyclic garbage collector off for the ``with`` block, or each call of the function it decorates (in
+    every thread: the collector is the process's); nested and concurrent pauses may overlap. A collector that was
+    disabled before stays disabled."""
     _PAUSES.begin()
     try:
         yield

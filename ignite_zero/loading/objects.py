@@ -54,6 +54,7 @@ __all__ = ["restore"]
 _Report = tuple[Any, Any, bool]
 
 
+@collector.paused()  # a load makes many objects, keeps few, and would set off passes over the heap
 def restore(
     to_load: Mapping,
     checkpoint: str | Path | Mapping,
@@ -64,18 +65,6 @@ def restore(
     kwargs: Mapping,
 ) -> None:
     """Restore ``to_load`` from ``checkpoint``; see :meth:`ignite_zero.Checkpoint.load_objects`."""
-    with collector.paused():  # a load makes many objects, keeps few, and would set off passes over the heap
-        _restore_reading(to_load, checkpoint, weights_only, sync_timeout, storage_options, kwargs)
-
-
-def _restore_reading(
-    to_load: Mapping,
-    checkpoint: str | Path | Mapping,
-    weights_only: bool,
-    sync_timeout: float,
-    storage_options: Mapping[str, Any] | None,
-    kwargs: Mapping,
-) -> None:
     objects = None
     try:
         objects = adapt(to_load, 0)

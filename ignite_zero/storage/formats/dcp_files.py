@@ -230,8 +230,7 @@ class PlaceStorageWriter(StorageWriter):
 
     def write_metadata(self, metadata_file: MetadataFile) -> None:
         """On the coordinator: write ``.metadata`` from ``metadata_file``, with this save's storage facts, last."""
-        storage_meta = self.storage_meta()
-        content = metadata_file.content(str(storage_meta.checkpoint_id), storage_meta.save_id)
+        content = metadata_file.content(self.checkpoint_id, self.save_id)  # this save's, as storage_meta() says
         self.place.write(METADATA, lambda f: f.write(content))
         crc = zlib_ng.crc32(content)
         self.written[METADATA] = (len(content), crc)

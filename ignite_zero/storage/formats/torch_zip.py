@@ -431,7 +431,8 @@ def _storage_bytes(tensor: torch.Tensor, layout: tuple[Any, ...]) -> memoryview:
     whole = offset == 0 and tensor.numel() * dtype.itemsize == nbytes and tensor.is_contiguous()
     if whole and not conjugate and not negative:  # numpy would resolve those bits, torch saves them as they are
         try:
-            return memoryview(tensor.detach().numpy()).cast("B")
+            array: Any = tensor.detach().numpy()
+            return memoryview(array).cast("B")
         except TypeError:  # a dtype numpy lacks (bfloat16, float8...)
             pass
     return tensor_bytes(tensor.untyped_storage())
