@@ -224,21 +224,7 @@ class _Writer:
         flags = _UTF8 | _DESCRIBED if size else _UTF8
         header = _LOCAL.pack(b"PK\x03\x04", 0, flags, 0, 0, 0, 0, 0, 0, len(full_name), len(extra))
         self._put(header + full_name + extra)
-        if size <= _SMALL:  # gathered with the headers, arrived bytes too: small writes cost more than the copy
-            crc = 0
-            for part in (view,) if source is None else source(view):
-                crc = zlib_ng.crc32(part, crc)
-                self._put(part)
-        else:
-            self._flush()
-            crc = 0
-            for begin in range(0, size, _SLICE):
-                piece = view[begin : begin + _SLICE]
-                for part in (piece,) if source is None else source(piece):
-                    self._write(part)
-                    crc = zlib_ng.crc32(part, crc)
-            self.archive.crc = zlib_ng.crc32_combine(self.archive.crc, crc, size)
-            self.archive.size += size
+        crc = self._data(view, source)
         self.archive.records.append(Record(name, self.archive.size - size, size, crc))
         if size:
             descriptor = _DESCRIPTOR64 if zip64 else _DESCRIPTOR
@@ -265,6 +251,24 @@ class _Writer:
         self._central.append(entry + full_name + central_zip64)
         self._names.append(name)
         self._combined_crc = zlib_ng.crc32_combine(self._combined_crc, crc, size)
+
+    def _data(self, view: memoryview, source: Callable[[memoryview], Iterable[memoryview]] | None) -> int:
+        """Write a record's data (see :func:`write_archive` for ``source``); its CRC-32."""
+        crc = 0
+        if view.nbytes <= _SMALL:  # gathered with the headers, arrived bytes too: small writes cost more than the copy
+            for part in (view,) if source is None else source(view):
+                crc = zlib_ng.crc32(part, crc)
+                self._put(part)
+            return crc
+        self._flush()
+        for begin in range(0, view.nbytes, _SLICE):
+            piece = view[begin : begin + _SLICE]
+            for part in (piece,) if source is None else source(piece):
+                self._write(part)
+                crc = zlib_ng.crc32(part, crc)
+        self.archive.crc = zlib_ng.crc32_combine(self.archive.crc, crc, view.nbytes)
+        self.archive.size += view.nbytes
+        return crc
 
     def finish(self) -> Archive:
         names_crc = zlib_ng.crc32("\n".join(self._names).encode())
