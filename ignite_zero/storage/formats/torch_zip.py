@@ -105,8 +105,16 @@ class Archive:
 
 def tensor_bytes(tensor: torch.Tensor | torch.UntypedStorage) -> memoryview:
     """The bytes of a CPU tensor that is contiguous, or of an untyped storage, without a copy."""
-    flat = tensor.detach().reshape(-1) if isinstance(tensor, torch.Tensor) else _storage_tensor(tensor)
-    array: Any = flat.view(torch.uint8).numpy()
+    array: Any
+    if isinstance(tensor, torch.Tensor):
+        try:  # numpy's own view of the tensor: the fewest calls, for the thousands of small tensors of a state
+            array = tensor.detach().numpy()
+            return memoryview(array).cast("B")
+        except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16...), conjugate or negative bits
+            flat = tensor.detach().reshape(-1)
+    else:
+        flat = _storage_tensor(tensor)
+    array = flat.view(torch.uint8).numpy()
     return memoryview(array).cast("B")
 
 
@@ -429,16 +437,12 @@ def write_archive(
 
 
 def _storage_bytes(tensor: torch.Tensor, layout: tuple[Any, ...]) -> memoryview:
-    """The bytes of the storage of a plain CPU ``tensor`` of ``layout`` (see :func:`_lone_tensor_layout`): through
-    numpy straight from the tensor where it is the whole of its storage and numpy has its dtype, the cheapest way."""
+    """The bytes of the storage of a plain CPU ``tensor`` of ``layout`` (see :func:`_lone_tensor_layout`): straight
+    from the tensor where it is the whole of its storage, which costs less than a tensor made over the storage."""
     dtype, nbytes, offset, *_, conjugate, negative = layout
     whole = offset == 0 and tensor.numel() * dtype.itemsize == nbytes and tensor.is_contiguous()
-    if whole and not conjugate and not negative:  # numpy would resolve those bits, torch saves them as they are
-        try:
-            array: Any = tensor.detach().numpy()
-            return memoryview(array).cast("B")
-        except TypeError:  # a dtype numpy lacks (bfloat16, float8...)
-            pass
+    if whole and not conjugate and not negative:  # a view of those bits would resolve them; torch saves them as set
+        return tensor_bytes(tensor)
     return tensor_bytes(tensor.untyped_storage())
 
 
