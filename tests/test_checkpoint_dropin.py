@@ -333,6 +333,7 @@ def _async_recipient_fails(rank, world_size, dirname):
     engine = Engine(lambda e, b: None)
     handler(engine)
     handler.wait()
+    dist.barrier()  # rank 0 waits for nobody: without this, rank 1's first call may already see the failure below
     engine.state.iteration = 1
     if rank == 0:
         with pytest.raises(OSError, match="Input/output error"):
