@@ -102,7 +102,7 @@ def _layout(mesh: DeviceMesh, placements: Sequence[Placement]) -> MeshLayout:
 def dtensor_slot(name: str, tensor: DTensor) -> Slot:
     """Where this rank's local tensor of ``tensor`` sits in the full tensor: a block, from torch's metadata."""
     offsets, sizes = _compat.dtensor_block(tensor)
-    local = tuple(tensor.to_local().shape)
+    local = tuple(_compat.dtensor_local(tensor).shape)
     if local != sizes and math.prod(sizes) + math.prod(local) > 0:
         raise RuntimeError(
             f"{name}: this rank holds a local tensor of shape {local}, but its placements {tensor.placements} give "
@@ -113,7 +113,7 @@ def dtensor_slot(name: str, tensor: DTensor) -> Slot:
 
 def dtensor_pieces(pieces: Pieces, key: tuple[Any, ...], slot: Slot, tensor: DTensor) -> None:
     """Add this rank's block of ``tensor`` (laid out like the parameter of ``slot``), with its mesh and placements."""
-    slot.add_to(pieces, key, tensor.to_local(), _layout(tensor.device_mesh, tuple(tensor.placements)))
+    slot.add_to(pieces, key, _compat.dtensor_local(tensor), _layout(tensor.device_mesh, tuple(tensor.placements)))
 
 
 def dtensor_like(param: DTensor, local: torch.Tensor) -> DTensor:
@@ -164,7 +164,7 @@ def plan_model_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
             continue
         if isinstance(current, DTensor):
             slot = dtensor_slot(name, current)
-            plan.copy(slot.local_part(current.to_local()), slot.full_part(value))
+            plan.copy(slot.local_part(_compat.dtensor_local(current)), slot.full_part(value))
             value = current
         elif isinstance(current, torch.Tensor):  # a buffer, or a parameter left whole: copied in place, one at a time
             plan.copy(current, value)
@@ -182,7 +182,9 @@ def param_layouts(module: nn.Module) -> dict[int, ParamLayout]:
     for raw_name, param in module.named_parameters():
         name = clean_name(raw_name)
         if isinstance(param, DTensor):
-            layouts[id(param)] = ParamLayout(param, tuple(param.to_local().shape), [dtensor_slot(name, param)])
+            layouts[id(param)] = ParamLayout(
+                param, tuple(_compat.dtensor_local(param).shape), [dtensor_slot(name, param)]
+            )
         else:
             layouts[id(param)] = ParamLayout(param, tuple(param.shape), [whole_slot(name, param)])
     return layouts

@@ -397,7 +397,7 @@ def _template(state: Any, live: bool) -> Any:
 
     def fresh(_: tree.Path, value: Any) -> Any:
         if isinstance(value, DTensor):
-            local = torch.empty_like(value.to_local())
+            local = torch.empty_like(_compat.dtensor_local(value))
             return DTensor.from_local(
                 local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
             )
@@ -687,8 +687,8 @@ def _element_wise_target(layout: ParamLayout, existing: Any, dtype: torch.dtype)
     if isinstance(param, DTensor):
         wanted = (param.placements, param.shape, dtype)
         if isinstance(existing, DTensor) and (existing.placements, existing.shape, existing.dtype) == wanted:
-            return existing.to_local(), existing
-        local = torch.zeros(layout.local_shape, dtype=dtype, device=param.to_local().device)
+            return _compat.dtensor_local(existing), existing
+        local = torch.zeros(layout.local_shape, dtype=dtype, device=_compat.dtensor_local(param).device)
         return local, _fsdp2.dtensor_like(param, local)
     if isinstance(existing, torch.Tensor) and (tuple(existing.shape), existing.dtype) == (layout.local_shape, dtype):
         return existing, existing

@@ -107,7 +107,7 @@ class SavedTensors:
         for fqn, value in flat.items():
             saved = self._metadata.state_dict_metadata.get(fqn)
             if isinstance(value, DTensor) or type(value) in (torch.Tensor, torch.nn.Parameter):
-                local = value.to_local() if isinstance(value, DTensor) else value
+                local = _compat.dtensor_local(value) if isinstance(value, DTensor) else value
                 offsets, sizes = _compat.dtensor_block(value) if isinstance(value, DTensor) else _block_of(value)
                 index = MetadataIndex(fqn, offsets)
                 if not (isinstance(saved, TensorStorageMetadata) and _holds(saved, offsets, sizes, local)):
