@@ -78,6 +78,8 @@ _SUFFIX = ".distcp"
 # Writes up to the first size are gathered until they reach the second: one write for the archives of many small
 # tensors rather than three each; larger ones are written straight from their memory.
 _GATHERED_PIECE, _GATHERED = 64 << 10, 1 << 20
+# Small tensors are held until their bytes reach _GATHERED or they are this many, then their archives made together.
+_SMALL_TENSORS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +90,16 @@ class _Prefix:
 
 
 class _Output:
-    """A file being written: its position, size and CRC-32, and its entries' records; small pieces (headers, small
-    tensors' archives) gathered and written together."""
+    """A file being written: its position, size and CRC-32, and its entries' records in the order written; small
+    pieces (headers, small tensors' archives) gathered and written together, and small tensors' archives made
+    together (:func:`~ignite_zero.storage.formats.torch_zip.write_small_tensors`), each in its turn."""
 
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream
         self._gathered = bytearray()
+        self._small: list[torch.Tensor] = []
+        self._small_layouts: list[tuple[Any, ...]] = []
+        self._small_bytes = 0
         self.size = 0
         self.crc = 0
         self.records: list[EntryRecord] = []
@@ -104,34 +110,57 @@ class _Output:
         if view.nbytes <= _GATHERED_PIECE:
             self._gathered += view
             if len(self._gathered) >= _GATHERED:
-                self.flush()
+                self._write_gathered()
         else:
-            self.flush()
+            self._write_gathered()
             self._stream.write(view)
         self.size += view.nbytes
 
-    def flush(self) -> None:
-        """Write what is gathered."""
+    def finish(self) -> None:
+        """Write all that is still held."""
+        self._write_small()
+        self._write_gathered()
+
+    def value(self, data: bytes | memoryview) -> None:
+        self._write_small()
+        offset = self.size
+        self.write(data)
+        crc = zlib_ng.crc32(data)
+        self._entry(EntryRecord(offset, len(data), crc, offset, crc))
+
+    def tensor(self, tensor: torch.Tensor) -> None:
+        layout = torch_zip.small_tensor_layout(tensor)
+        if layout is not None:  # held, and written with the small tensors next to it, in order
+            self._small.append(tensor)
+            self._small_layouts.append(layout)
+            self._small_bytes += tensor.nbytes
+            if self._small_bytes >= _GATHERED or len(self._small) >= _SMALL_TENSORS:
+                self._write_small()
+            return
+        self._write_small()
+        offset = self.size
+        archive = torch_zip.write_archive(self.write, tensor, alignment=self._alignment)
+        data = archive.record("data/0")
+        self._entry(EntryRecord(offset, archive.size, archive.crc, offset + data.offset, data.crc))
+
+    def _write_small(self) -> None:
+        if not self._small:
+            return
+        offset = self.size
+        written = torch_zip.write_small_tensors(self.write, self._small, self._small_layouts, self._alignment)
+        for size, crc, data_offset, data_crc in written:
+            self._entry(EntryRecord(offset, size, crc, offset + data_offset, data_crc))
+            offset += size
+        self._small, self._small_layouts, self._small_bytes = [], [], 0
+
+    def _write_gathered(self) -> None:
         if self._gathered:
             self._stream.write(self._gathered)
             self._gathered = bytearray()  # a new one: what was written may still be held by the stream
 
-    def value(self, data: bytes | memoryview) -> EntryRecord:
-        offset = self.size
-        self.write(data)
-        crc = zlib_ng.crc32(data)
-        return self._entry(EntryRecord(offset, len(data), crc, offset, crc))
-
-    def tensor(self, tensor: torch.Tensor) -> EntryRecord:
-        offset = self.size
-        archive = torch_zip.write_archive(self.write, tensor, alignment=self._alignment)
-        data = archive.record("data/0")
-        return self._entry(EntryRecord(offset, archive.size, archive.crc, offset + data.offset, data.crc))
-
-    def _entry(self, record: EntryRecord) -> EntryRecord:
+    def _entry(self, record: EntryRecord) -> None:
         self.crc = zlib_ng.crc32_combine(self.crc, record.crc, record.length)
         self.records.append(record)
-        return record
 
 
 class PlaceStorageWriter(StorageWriter):
@@ -207,14 +236,16 @@ class PlaceStorageWriter(StorageWriter):
             output = _Output(stream)
             # values first, then tensors, as DCP's own writer orders them
             ordered = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)
-            on_host = staging.on_host((planner.resolve_data(item) for item in ordered), producers)
-            for item in ordered:
-                data = next(on_host)
-                record = output.value(data.getbuffer()) if isinstance(data, io.BytesIO) else output.tensor(data)
-                del data  # its host copy goes before the next one is made
+            for data in staging.on_host((planner.resolve_data(item) for item in ordered), producers):
+                if isinstance(data, io.BytesIO):
+                    output.value(data.getbuffer())
+                else:
+                    output.tensor(data)
+                del data  # a host copy goes before the next one is made, unless held with other small tensors
+            output.finish()
+            for item, record in zip(ordered, output.records, strict=True):
                 info = _compat.dcp_storage_info(name, record.offset, record.length)
                 results.append(WriteResult(index=item.index, size_in_bytes=record.length, storage_data=info))
-            output.flush()
             self.written[name] = (output.size, output.crc)
             self.records[name] = output.records
 

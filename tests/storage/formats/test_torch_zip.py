@@ -126,6 +126,67 @@ def test_lone_tensors_of_every_layout_are_torch_saves_record_by_record_whenever_
     assert [type(obj) for obj in pickled] == [torch.Tensor, torch.nn.Parameter] and pickled[0].note == "kept"
 
 
+def test_small_tensors_written_together_are_each_one_written_alone():
+    """Archives made together, layouts interleaved, are each the bytes write_archive writes for its tensor alone
+    (which the test above holds to torch.save's), with its checksums, in order."""
+    generator = torch.Generator().manual_seed(2)
+    complex_ones = torch.ones(3, dtype=torch.complex64)
+    tensors = [
+        *(torch.randn(32, 64, generator=generator) for _ in range(5)),
+        *(torch.randn(32, generator=generator) for _ in range(4)),
+        torch.randn(6, generator=generator).to(torch.bfloat16),
+        torch.tensor(3.0),
+        torch.arange(7),
+        torch.ones(5, requires_grad=True),
+        complex_ones,
+        torch.randn(16 << 10, generator=generator),  # 64 KiB, the largest written so
+    ]
+    tensors = [tensors[i] for i in torch.randperm(len(tensors), generator=generator).tolist()]
+    layouts = [torch_zip.small_tensor_layout(tensor) for tensor in tensors]
+    alone, expected = bytearray(), []
+    for tensor in tensors:
+        archive = write_archive(alone.extend, tensor, alignment=64)
+        data = archive.record("data/0")
+        expected.append((archive.size, archive.crc, data.offset, data.crc))
+    together = bytearray()
+    assert torch_zip.write_small_tensors(together.extend, tensors, layouts, 64) == expected
+    assert together == alone
+    offset = 0
+    for tensor, (size, crc, data_offset, data_crc) in zip(tensors, expected, strict=True):
+        data = together[offset + data_offset : offset + data_offset + tensor.nbytes]
+        assert data == torch_zip.tensor_bytes(tensor) and zlib.crc32(data) == data_crc
+        assert zlib.crc32(together[offset : offset + size]) == crc
+        offset += size
+    assert offset == len(together)
+
+
+def test_only_small_tensors_each_the_whole_of_its_storage_are_written_together():
+    base = torch.randn(8, 8)
+    complex_ones = torch.ones(4, dtype=torch.complex64)
+    for refused in (
+        base[2:4],  # part of a storage
+        base.t(),  # not contiguous
+        complex_ones.conj(),
+        complex_ones.conj().imag,  # the negative bit
+        torch.randn((16 << 10) + 1),  # above 64 KiB
+        torch.empty(0),
+        torch.nn.Parameter(torch.ones(3)),
+    ):
+        assert torch_zip.small_tensor_layout(refused) is None
+    assert torch_zip.small_tensor_layout(base) is not None
+
+
+def test_the_shift_of_crc32s_over_arrays_combines_them_as_zlib():
+    """crc32(a + b) is crc32(a) shifted over len(b) bytes, XOR crc32(b): what makes the serialization ids of small
+    tensors written together."""
+    rng = random.Random(3)
+    heads = [rng.randbytes(rng.randrange(1, 50)) for _ in range(100)]
+    for length in (0, 1, 7, 40, 8192):
+        tail = rng.randbytes(length)
+        shifted = torch_zip._crc32_shift(numpy.array([zlib.crc32(head) for head in heads], dtype=numpy.uint64), length)
+        assert [crc ^ zlib.crc32(tail) for crc in shifted.tolist()] == [zlib.crc32(head + tail) for head in heads]
+
+
 def _assert_torch_saves(obj: object, pickle_protocol: int = 2) -> None:
     theirs = io.BytesIO()
     torch.save(obj, theirs, pickle_protocol=pickle_protocol)
@@ -182,8 +243,8 @@ def _blank(state: dict[str, object]) -> dict[str, object]:
     }
 
 
-def _save_both(tmp_path):
-    state = _state()
+def _save_both(tmp_path, state=None):
+    state = _state() if state is None else state
     writer = PlaceStorageWriter(LocalPlace(tmp_path / "ours"))
     with sharded.in_one_process():
         dcp.save(state, storage_writer=writer, no_dist=True)
@@ -191,8 +252,22 @@ def _save_both(tmp_path):
     return state, writer
 
 
-def test_dcp_files_are_dcps_own_entry_by_entry(tmp_path):
-    state, writer = _save_both(tmp_path)
+def _many_small_tensors() -> dict[str, object]:
+    """More small tensors than are written together at once (by count, then by bytes), among large ones and values."""
+    generator = torch.Generator().manual_seed(4)
+    return {
+        "tiny": [torch.randn(4, generator=generator) for _ in range(1500)],
+        "among large": [
+            torch.randn(100_000, generator=generator) if i % 50 == 7 else torch.randn(64, 64, generator=generator)
+            for i in range(400)
+        ],
+        "values": [i / 7 for i in range(30)],
+    }
+
+
+@pytest.mark.parametrize("state", [None, _many_small_tensors()], ids=["a state", "many small tensors"])
+def test_dcp_files_are_dcps_own_entry_by_entry(tmp_path, state):
+    state, writer = _save_both(tmp_path, state)
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
     our_metadata = pickle.loads((ours / ".metadata").read_bytes())
