@@ -102,7 +102,8 @@ def on_host(values: Iterable[Any], producers: Streams) -> Iterator[Any]:
     A CUDA tensor up to :data:`PINNED_LIMIT` is copied into pinned memory on a stream of its own once the work of
     its device's stream in ``producers`` is done, and the next one's copy runs while the caller writes this one,
     since a pageable ``.cpu()`` per tensor is far slower than pinned copies. A caller that drops each tensor before
-    it asks for the next holds at most two copies.
+    it asks for the next holds at most two copies; one that holds small ones (a writer that writes them together)
+    holds those too.
 
     Args:
         values: tensors on any device, and other values.

@@ -92,7 +92,11 @@ class _Prefix:
 class _Output:
     """A file being written: its position, size and CRC-32, and its entries' records in the order written; small
     pieces (headers, small tensors' archives) gathered and written together, and small tensors' archives made
-    together (:func:`~ignite_zero.storage.formats.torch_zip.write_small_tensors`), each in its turn."""
+    together (:func:`~ignite_zero.storage.formats.torch_zip.write_small_tensors`), each in its turn.
+
+    Up to 1 MiB (or 1,024) of small tensors are held until then: for an accelerator's state, pinned host copies
+    (:func:`~ignite_zero.staging.on_host`), which torch's host allocator keeps for reuse by the next save.
+    """
 
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream
@@ -148,9 +152,9 @@ class _Output:
             return
         offset = self.size
         written = torch_zip.write_small_tensors(self.write, self._small, self._small_layouts, self._alignment)
-        for size, crc, data_offset, data_crc in written:
-            self._entry(EntryRecord(offset, size, crc, offset + data_offset, data_crc))
-            offset += size
+        for archive in written:
+            self._entry(EntryRecord(offset, archive.size, archive.crc, offset + archive.data_offset, archive.data_crc))
+            offset += archive.size
         self._small, self._small_layouts, self._small_bytes = [], [], 0
 
     def _write_gathered(self) -> None:

@@ -33,7 +33,7 @@ import struct
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import numpy
 import torch
@@ -45,6 +45,7 @@ __all__ = [
     "PICKLE_PROTOCOL",
     "Archive",
     "Record",
+    "SmallArchive",
     "small_tensor_layout",
     "tensor_bytes",
     "write_archive",
@@ -199,13 +200,13 @@ class _Pickler(pickle.Pickler):
 class _Writer:
     """Zip records written one after another to a stream, CRC-32 as they pass."""
 
-    def __init__(self, write: Callable[[Any], object]) -> None:
+    def __init__(self, write: Callable[[Any], object], alignment: int | None = None) -> None:
         self._write = write
         self._central: list[bytes] = []
         self._names: list[str] = []
         self._combined_crc = 0
         self.archive = Archive()
-        self.alignment = _compat.storage_alignment()
+        self.alignment = _compat.storage_alignment() if alignment is None else alignment
         # headers and small records, written together before the next large record and at the end: one write and
         # one CRC-32 for the pieces before a tensor's bytes, not one each
         self._pending = bytearray()
@@ -349,11 +350,12 @@ class _LoneTensorArchive:
     Args:
         tensor: a tensor of the layout (see :func:`_lone_tensor_layout`), written once as :class:`_Writer` writes it.
         protocol: the pickle protocol.
+        alignment: the alignment of records' data; torch's setting if ``None``.
     """
 
-    def __init__(self, tensor: torch.Tensor, protocol: int) -> None:
+    def __init__(self, tensor: torch.Tensor, protocol: int, alignment: int | None = None) -> None:
         written = bytearray()
-        archive = _write_records(written.extend, tensor, None, protocol)
+        archive = _write_records(written.extend, tensor, None, protocol, alignment)
         names = [record.name for record in archive.records]
         data, version, serialization = (
             archive.record(name) for name in ("data/0", "version", ".data/serialization_id")
@@ -414,12 +416,16 @@ class _LoneTensorArchive:
         crc = zlib_ng.crc32(tail, zlib_ng.crc32_combine(self._head_crc, data_crc, size))
         return Archive(self.size, crc, records)
 
-    def many(self, tensors: Sequence[torch.Tensor]) -> tuple[memoryview, list[int], list[int]]:
-        """The archives of ``tensors``, all of this layout and each the whole of its storage, one after another as
-        :meth:`write` writes them, made together: their bytes, each archive's CRC-32 and its tensor's.
-
-        What :meth:`write` computes for each tensor in turn is computed here over arrays, but for three CRC-32
+    def archives_of(self, tensors: Sequence[torch.Tensor]) -> tuple[memoryview, list[int], list[int]]:
+        """The archives of ``tensors``, one after another, each what :meth:`write` writes for it, made together:
+        what :meth:`write` computes for one tensor at a time is computed here over arrays, but for three CRC-32
         passes a tensor (its bytes, its serialization id, its archive), which ``zlib-ng`` makes in C.
+
+        Args:
+            tensors: tensors of this layout, each the whole of its storage (see :func:`small_tensor_layout`).
+
+        Returns:
+            The archives' bytes, each :attr:`size` long; each archive's CRC-32; and each tensor's bytes' CRC-32.
         """
         count, head, size = len(tensors), len(self._head), self.size
         data_end = size - len(self._tail)
@@ -430,28 +436,21 @@ class _LoneTensorArchive:
         rows[:, head:data_end] = numpy.frombuffer(tensor_bytes(stacked), dtype=numpy.uint8).reshape(count, -1)
         rows[:, data_end:] = numpy.frombuffer(self._tail, dtype=numpy.uint8)
         flat = rows.reshape(-1).data
-        data_crcs = numpy.array(
-            [zlib_ng.crc32(flat[start + head : start + data_end]) for start in range(0, count * size, size)],
-            dtype=numpy.uint64,
-        )
-        # crc32_combine(crc32_combine(before, data, n), version, m) is linear in the data's CRC-32
+        starts = range(0, count * size, size)
+        data_crcs = numpy.array([zlib_ng.crc32(flat[at + head : at + data_end]) for at in starts], dtype=numpy.uint64)
+        # the serialization id's second number: crc32_combine(crc32_combine(before, data, n), version, m) is the
+        # data's CRC-32 shifted, XOR what the rest adds, the same for every tensor; its first number is in the tail
         combined = _crc32_shift(data_crcs, self._version.size) ^ self._combined_without_data
         serialization = data_end + self._serialization_at
-        rows[:, serialization : serialization + 20] = numpy.frombuffer(b"%020d" % self._names_crc, dtype=numpy.uint8)
         rows[:, serialization + 20 : serialization + 40] = (combined[:, None] // _POWERS_OF_TEN) % 10 + ord("0")
         serialization_crcs = numpy.array(
-            [
-                zlib_ng.crc32(flat[start + serialization : start + serialization + 40])
-                for start in range(0, count * size, size)
-            ],
-            dtype=numpy.uint64,
+            [zlib_ng.crc32(flat[at + serialization : at + serialization + 40]) for at in starts], dtype=numpy.uint64
         )
-        for values, places in ((data_crcs, self._data_crcs), (serialization_crcs, self._serialization_crcs)):
-            little_endian = values.astype("<u4").view(numpy.uint8).reshape(count, 4)
+        for crcs, places in ((data_crcs, self._data_crcs), (serialization_crcs, self._serialization_crcs)):
+            little_endian = crcs.astype("<u4").view(numpy.uint8).reshape(count, 4)
             for at in places:
                 rows[:, data_end + at : data_end + at + 4] = little_endian
-        crcs = [zlib_ng.crc32(flat[start : start + size]) for start in range(0, count * size, size)]
-        return flat, crcs, data_crcs.tolist()
+        return flat, [zlib_ng.crc32(flat[at : at + size]) for at in starts], data_crcs.tolist()
 
 
 # The powers of ten of a 20-digit number, largest first: the digits of CRC-32s combined, as ``%020d`` writes them.
@@ -460,17 +459,19 @@ _POWERS_OF_TEN = numpy.array([10**power for power in range(19, -1, -1)], dtype=n
 
 @functools.lru_cache(maxsize=64)
 def _crc32_shift_tables(length: int) -> numpy.ndarray:
-    """``crc32_combine(crc, 0, length)`` of every byte of a CRC-32 at each of its four places: that function is linear
-    in ``crc`` (over GF(2)), so it is the XOR of these for the four bytes of any ``crc``."""
-    return numpy.array(
+    """``crc32_combine(crc, 0, length)`` of every byte of a CRC-32 at each of its four places (read-only): that
+    function is linear in ``crc`` (over GF(2)), so it is the XOR of these for the four bytes of any ``crc``."""
+    tables = numpy.array(
         [[zlib_ng.crc32_combine(byte << (8 * place), 0, length) for byte in range(256)] for place in range(4)],
         dtype=numpy.uint64,
     )
+    tables.setflags(write=False)
+    return tables
 
 
 def _crc32_shift(crcs: numpy.ndarray, length: int) -> numpy.ndarray:
-    """``crc32_combine(crc, 0, length)`` of each of ``crcs``: the CRC-32 of what each stands for, followed by
-    ``length`` zero bytes' worth of shifting, as combining it with ``length`` more bytes begins."""
+    """``crc32_combine(crc, 0, length)`` of each of ``crcs``: the share of ``crc32(a + b)`` that ``crc32(a)`` makes,
+    for any ``b`` of ``length`` bytes (``crc32(a + b) == shift(crc32(a)) ^ crc32(b)``)."""
     tables = _crc32_shift_tables(length)
     shifted = tables[0][crcs & 0xFF]
     for place in range(1, 4):
@@ -508,31 +509,44 @@ def write_archive(
     write = stream.write if hasattr(stream, "write") else stream
     layout = _lone_tensor_layout(obj) if source is None else None
     if layout is None or not 0 < layout[1] <= _SMALL:
-        return _write_records(write, obj, source, pickle_protocol)
+        return _write_records(write, obj, source, pickle_protocol, alignment)
     template = _lone_tensor_archive(obj, layout, pickle_protocol, alignment)
     return template.write(write, _storage_bytes(obj, layout))
 
 
 def small_tensor_layout(tensor: Any) -> tuple[Any, ...] | None:
-    """The layout of ``tensor`` if :func:`write_small_tensors` can write it: a plain CPU tensor, contiguous, the whole
-    of its storage, of at most 64 KiB, without conjugate or negative bit (see :func:`_lone_tensor_layout`); else
-    ``None``."""
+    """The layout of ``tensor`` if :func:`write_small_tensors` can write it: a plain CPU tensor (not a subclass, no
+    attributes of its own), contiguous, the whole of its storage, of at most 64 KiB, without conjugate or negative
+    bit; else ``None``. Tensors of equal layouts have archives alike but for their bytes."""
     layout = _lone_tensor_layout(tensor)
-    if layout is None:
+    if layout is None or not 0 < layout[1] <= _SMALL or not _whole_storage(tensor, layout):
         return None
-    dtype, nbytes, offset, *_, conjugate, negative = layout
-    if not 0 < nbytes <= _SMALL or offset or conjugate or negative or tensor.numel() * dtype.itemsize != nbytes:
-        return None
-    return layout if tensor.is_contiguous() else None
+    return layout
+
+
+class SmallArchive(NamedTuple):
+    """Where a small tensor's archive written by :func:`write_small_tensors` lies, from the archive's start.
+
+    Attributes:
+        size: the archive's size in bytes.
+        crc: its CRC-32.
+        data_offset: where the tensor's bytes start in it.
+        data_crc: their CRC-32.
+    """
+
+    size: int
+    crc: int
+    data_offset: int
+    data_crc: int
 
 
 def write_small_tensors(
     write: Callable[[Any], object],
     tensors: Sequence[torch.Tensor],
     layouts: Sequence[tuple[Any, ...]],
-    alignment: int,
+    alignment: int | None = None,
     pickle_protocol: int = PICKLE_PROTOCOL,
-) -> list[tuple[int, int, int, int]]:
+) -> list[SmallArchive]:
     """Write the archive of each of ``tensors``, one after another in their order, as :func:`write_archive` writes
     each: the archives of those laid out alike made together, which costs a few microseconds a tensor, not tens.
 
@@ -540,11 +554,11 @@ def write_small_tensors(
         write: a function that writes all it is given.
         tensors: small tensors saved alone.
         layouts: their layouts, as :func:`small_tensor_layout` gives them (none of them ``None``).
-        alignment: torch's alignment of records' data (see :func:`write_archive`).
+        alignment: the alignment of records' data, as :func:`write_archive` takes it.
         pickle_protocol: ``torch.save``'s argument of that name.
 
     Returns:
-        For each tensor, its archive's size and CRC-32, and where its data starts in its archive and their CRC-32.
+        Where each tensor's archive lies, in their order.
     """
     alike: dict[tuple[Any, ...], list[int]] = {}
     for index, layout in enumerate(layouts):
@@ -552,14 +566,15 @@ def write_small_tensors(
     made: list[Any] = [None] * len(tensors)
     for layout, indices in alike.items():
         template = _lone_tensor_archive(tensors[indices[0]], layout, pickle_protocol, alignment)
-        data, crcs, data_crcs = template.many([tensors[index] for index in indices])
-        size, data_offset = template.size, template.data_offset
+        data, crcs, data_crcs = template.archives_of([tensors[index] for index in indices])
+        size = template.size
         for place, index in enumerate(indices):
-            made[index] = (data[place * size : (place + 1) * size], crcs[place], data_offset, data_crcs[place])
+            archive = SmallArchive(size, crcs[place], template.data_offset, data_crcs[place])
+            made[index] = (data[place * size : (place + 1) * size], archive)
     written = []
-    for data, crc, data_offset, data_crc in made:
+    for data, archive in made:
         write(data)
-        written.append((data.nbytes, crc, data_offset, data_crc))
+        written.append(archive)
     return written
 
 
@@ -572,18 +587,25 @@ def _lone_tensor_archive(
     if template is None:
         if len(_LONE_TENSOR_ARCHIVES) >= _PICKLES_KEPT:
             _LONE_TENSOR_ARCHIVES.clear()
-        template = _LONE_TENSOR_ARCHIVES[key] = _LoneTensorArchive(tensor, pickle_protocol)
+        template = _LONE_TENSOR_ARCHIVES[key] = _LoneTensorArchive(tensor, pickle_protocol, alignment)
     return template
 
 
 def _storage_bytes(tensor: torch.Tensor, layout: tuple[Any, ...]) -> memoryview:
     """The bytes of the storage of a plain CPU ``tensor`` of ``layout`` (see :func:`_lone_tensor_layout`): straight
     from the tensor where it is the whole of its storage, which costs less than a tensor made over the storage."""
-    dtype, nbytes, offset, *_, conjugate, negative = layout
-    whole = offset == 0 and tensor.numel() * dtype.itemsize == nbytes and tensor.is_contiguous()
-    if whole and not conjugate and not negative:  # a view of those bits would resolve them; torch saves them as set
+    if _whole_storage(tensor, layout):
         return tensor_bytes(tensor)
     return tensor_bytes(tensor.untyped_storage())
+
+
+def _whole_storage(tensor: torch.Tensor, layout: tuple[Any, ...]) -> bool:
+    """Whether ``tensor``, of ``layout``, is the whole of its storage, contiguous, and without conjugate or negative
+    bit (a view of its bytes would resolve those; torch saves them as set): its bytes are then the storage's."""
+    dtype, nbytes, offset, *_, conjugate, negative = layout
+    if offset or conjugate or negative or tensor.numel() * dtype.itemsize != nbytes:
+        return False
+    return tensor.is_contiguous()
 
 
 def _write_records(
@@ -591,10 +613,11 @@ def _write_records(
     obj: Any,
     source: Callable[[memoryview], Iterable[memoryview]] | None,
     pickle_protocol: int,
+    alignment: int | None = None,
 ) -> Archive:
     """Write ``obj``'s archive record by record (see :func:`write_archive`)."""
     pickled, storages = _pickled(obj, pickle_protocol)
-    writer = _Writer(write)
+    writer = _Writer(write, alignment)
     writer.record("data.pkl", pickled)
     writer.record(".format_version", b"1")
     writer.record(".storage_alignment", str(writer.alignment).encode())

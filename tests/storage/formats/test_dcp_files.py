@@ -1,7 +1,10 @@
 """DCP's files as written by us (ignite_zero.storage.formats.dcp_files): ``.metadata`` pickled once, its storage facts
-put in per save; the directories themselves are tested end to end in test_sharded.py and test_dcp_plans.py."""
+put in per save, and a file's entries in order; the directories themselves are tested end to end in test_sharded.py
+and test_dcp_plans.py."""
 
+import io
 import pickle
+import zlib
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ignite_zero import _compat
-from ignite_zero.storage.formats.dcp_files import MetadataFile
+from ignite_zero.storage.formats.dcp_files import MetadataFile, _Output
 from ignite_zero.storage.formats.trust import load_metadata
 
 
@@ -58,3 +61,32 @@ def test_metadata_refers_again_to_what_entries_hold_alike():
     assert len({id(entry.properties) for entry in tensors}) == 1
     assert len({id(entry.size) for entry in tensors}) == 1
     assert len({id(info.relative_path) for info in loaded.storage_data.values()}) == 2
+
+
+def test_a_file_s_entries_lie_in_the_order_written_whatever_is_held():
+    """Small tensors are held and written together; a value or a large tensor after them still lies after them."""
+    stream = io.BytesIO()
+    output = _Output(stream)
+    small = [torch.full((4,), float(i)) for i in range(3)]
+    large = torch.arange(20_000, dtype=torch.float32)  # above 64 KiB: written at once
+    entries = [b"value 1", small[0], small[1], b"value 2", large, small[2]]
+    for entry in entries:
+        if isinstance(entry, bytes):
+            output.value(memoryview(entry))
+        else:
+            output.tensor(entry)
+    output.finish()
+    written = stream.getvalue()
+    assert (output.size, output.crc) == (len(written), zlib.crc32(written))
+    offset = 0
+    for entry, record in zip(entries, output.records, strict=True):
+        assert record.offset == offset
+        content = written[record.offset : record.offset + record.length]
+        assert zlib.crc32(content) == record.crc
+        if isinstance(entry, bytes):
+            assert content == entry
+        else:
+            assert torch.equal(torch.load(io.BytesIO(content), weights_only=True), entry)
+            data = written[record.data_offset : record.data_offset + entry.nbytes]
+            assert data == entry.numpy().tobytes() and zlib.crc32(data) == record.data_crc
+        offset += record.length

@@ -160,6 +160,21 @@ def test_small_tensors_written_together_are_each_one_written_alone():
     assert offset == len(together)
 
 
+def test_small_tensors_written_together_take_the_alignment_given():
+    tensors = [torch.full((3,), float(i)) for i in range(4)]
+    written = bytearray()
+    archives = torch_zip.write_small_tensors(
+        written.extend, tensors, [torch_zip.small_tensor_layout(tensors[0])] * 4, 256
+    )
+    offset = 0
+    for tensor, archive in zip(tensors, archives, strict=True):
+        assert archive.data_offset % 256 == 0
+        one = bytes(written[offset : offset + archive.size])
+        assert zipfile.ZipFile(io.BytesIO(one)).read("archive/.storage_alignment") == b"256"
+        assert torch.equal(torch.load(io.BytesIO(one), weights_only=True), tensor)
+        offset += archive.size
+
+
 def test_only_small_tensors_each_the_whole_of_its_storage_are_written_together():
     base = torch.randn(8, 8)
     complex_ones = torch.ones(4, dtype=torch.complex64)
@@ -257,17 +272,26 @@ def _many_small_tensors() -> dict[str, object]:
     generator = torch.Generator().manual_seed(4)
     return {
         "tiny": [torch.randn(4, generator=generator) for _ in range(1500)],
-        "among large": [
-            torch.randn(100_000, generator=generator) if i % 50 == 7 else torch.randn(64, 64, generator=generator)
+        "among large": [  # runs of 99 tensors of 16 KiB: 64 of them make 1 MiB
+            torch.randn(100_000, generator=generator) if i % 100 == 7 else torch.randn(64, 64, generator=generator)
             for i in range(400)
         ],
         "values": [i / 7 for i in range(30)],
     }
 
 
-@pytest.mark.parametrize("state", [None, _many_small_tensors()], ids=["a state", "many small tensors"])
-def test_dcp_files_are_dcps_own_entry_by_entry(tmp_path, state):
-    state, writer = _save_both(tmp_path, state)
+@pytest.mark.parametrize("make_state", [_state, _many_small_tensors], ids=["a state", "many small tensors"])
+def test_dcp_files_are_dcps_own_entry_by_entry(tmp_path, make_state, monkeypatch):
+    batches = []
+    write_small_tensors = torch_zip.write_small_tensors
+    monkeypatch.setattr(
+        torch_zip,
+        "write_small_tensors",
+        lambda write, tensors, *args: batches.append(tensors) or write_small_tensors(write, tensors, *args),
+    )
+    state, writer = _save_both(tmp_path, make_state())
+    if make_state is _many_small_tensors:  # held until 1,024 of them, or 1 MiB of them
+        assert len(batches[0]) == 1024 and any(sum(t.nbytes for t in batch) == 1 << 20 for batch in batches)
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
     our_metadata = pickle.loads((ours / ".metadata").read_bytes())
