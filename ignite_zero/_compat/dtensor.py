@@ -32,9 +32,9 @@ def dtensor_block(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def dtensor_local(tensor: Any) -> Any:
-    """This rank's local tensor of the DTensor ``tensor``: the very tensor ``to_local()`` returns with gradients off,
-    whatever the caller's grad mode, since its autograd function costs more than a small tensor's save or load. For
-    reading and copying its data and layout, not for a result that autograd should see."""
+    """This rank's local tensor of the DTensor ``tensor``: the tensor ``to_local()`` views with gradients off, without
+    its autograd function (which costs more than a small tensor's save or load), nor the ``Parameter`` mark it gives
+    a parameter's. For reading and copying its data and layout, not for a result that autograd should see."""
     return tensor._local_tensor
 
 

@@ -4,8 +4,8 @@ Sharded parameters and their element-wise optimizer state are ``DTensor``s on an
 HSDP (``(Replicate(), Shard(0))``), FSDP2 over tensor parallelism (``(_StridedShard(0, sf), Shard(d))``), and
 units on different meshes. A rank's local tensor is one block of the full tensor, whose offsets and sizes come
 from torch's own DTensor metadata (:func:`ignite_zero._compat.dtensor_block`). Any DTensor operation may be a
-collective (even ``t[0].numel()`` all-gathers), so DTensors are touched only through ``to_local()``, ``shape``,
-``stride()``, ``placements`` and ``device_mesh``.
+collective (even ``t[0].numel()`` all-gathers), so DTensors are touched only through their local tensor
+(:func:`ignite_zero._compat.dtensor_local`), ``shape``, ``stride()``, ``placements`` and ``device_mesh``.
 """
 
 from __future__ import annotations
