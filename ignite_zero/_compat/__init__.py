@@ -60,6 +60,8 @@ from ignite_zero._compat.ignite_events import CheckpointEvents
 from ignite_zero._compat.modules import EXTRA_STATE_KEY, TORCH_WRAPPER_SEGMENTS, non_persistent_buffer_names
 from ignite_zero._compat.process_groups import default_store
 from ignite_zero._compat.serialization import (
+    SavedStorage,
+    reduce_plain_tensor,
     saved_storage,
     serialization_crc32,
     storage_alignment,
@@ -86,6 +88,7 @@ __all__ = [
     "FairscaleParamEntry",
     "FairscaleShardedParam",
     "FlatParamEntry",
+    "SavedStorage",
     "SharedParamEntry",
     "add_first_event_handler",
     "check_fairscale_fsdp_layout",
@@ -113,6 +116,7 @@ __all__ = [
     "is_fairscale_fsdp_param",
     "is_fsdp_flattened",
     "non_persistent_buffer_names",
+    "reduce_plain_tensor",
     "saved_storage",
     "serialization_crc32",
     "sharded_optimizer_kind",

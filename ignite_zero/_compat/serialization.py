@@ -8,6 +8,7 @@ in its file), or that it sets only through a global option (the records' CRC-32)
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "reduce_plain_tensor",
     "saved_storage",
     "serialization_crc32",
     "storage_alignment",
@@ -94,3 +96,52 @@ def storage_alignment() -> int:
 def storage_archive_version() -> bytes:
     """The content of the ``version`` record that ``torch.save`` writes (``b"3\\n"`` with torch 2.11 to 2.14)."""
     return b"3\n"
+
+
+# The legacy storage class (``torch.FloatStorage``...) that ``torch.save`` records for each dtype it wraps in a
+# ``TypedStorage``; ``None`` for the dtypes it saves with their untyped storage (``_rebuild_tensor_v3``).
+_LEGACY_STORAGE_TYPES: dict[torch.dtype, Any] = {}
+
+
+def reduce_plain_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]] | None:
+    """What ``Tensor.__reduce_ex__`` gives for a plain CPU tensor, its storage given as the :class:`SavedStorage`
+    that ``torch.save``'s pickler records of it: the same pickle, without the ``TypedStorage`` torch makes and the
+    checks it runs for every tensor, which a state of thousands of tensors pays for in its pickle. ``None`` for any
+    other tensor (a subclass, one with attributes, requiring grad, on another device, not strided, quantized
+    or nested, of a dtype saved untyped): pickled as torch pickles it.
+
+    torch 2.11 to 2.14 rebuild such a tensor with ``torch._utils._rebuild_tensor_v2(storage, offset, size, stride,
+    requires_grad, backward_hooks[, metadata])``, the metadata its conjugate and negative bits.
+    """
+    if type(tensor) is not torch.Tensor or tensor.__dict__ or tensor.requires_grad or tensor.device.type != "cpu":
+        return None
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+        return None
+    dtype = tensor.dtype
+    if dtype not in _LEGACY_STORAGE_TYPES:
+        _LEGACY_STORAGE_TYPES[dtype] = (
+            None
+            if dtype in torch.storage._new_dtypes()
+            else getattr(torch, torch.storage.TypedStorage(dtype=dtype, _internal=True)._pickle_storage_type())
+        )
+    storage_type = _LEGACY_STORAGE_TYPES[dtype]
+    if storage_type is None:
+        return None
+    storage = tensor.untyped_storage()
+    saved = SavedStorage(
+        storage,
+        storage._cdata,
+        storage_type,
+        storage.nbytes() // dtype.itemsize,
+        torch.serialization.location_tag(storage),
+    )
+    args: tuple[Any, ...] = (
+        saved,
+        tensor.storage_offset(),
+        tuple(tensor.size()),
+        tensor.stride(),
+        False,
+        collections.OrderedDict(),
+    )
+    metadata = torch._utils.get_tensor_metadata(tensor)
+    return torch._utils._rebuild_tensor_v2, (*args, metadata) if metadata else args

@@ -26,6 +26,7 @@ or its offset do not fit, the zip64 end record, always written, holds them.
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import io
 import pickle
@@ -183,14 +184,21 @@ def _lone_tensor_layout(obj: Any) -> tuple[Any, ...] | None:
 
 class _Pickler(pickle.Pickler):
     """``torch.save``'s pickle: storages become references ``("storage", type, key, location, numel)``, keys
-    numbered in the order met."""
+    numbered in the order met; plain tensors are reduced as torch reduces them, with fewer steps
+    (:func:`ignite_zero._compat.reduce_plain_tensor`)."""
 
     def __init__(self, file: IO[bytes], protocol: int) -> None:
         super().__init__(file, protocol=protocol)
         self.storages: dict[int, tuple[str, torch.UntypedStorage]] = {}
+        self._protocol = protocol
+        self.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: self._reduce_tensor}
+
+    def _reduce_tensor(self, tensor: torch.Tensor) -> Any:
+        reduced = _compat.reduce_plain_tensor(tensor)
+        return tensor.__reduce_ex__(self._protocol) if reduced is None else reduced
 
     def persistent_id(self, obj: Any) -> Any:
-        saved = _compat.saved_storage(obj)
+        saved = obj if type(obj) is _compat.SavedStorage else _compat.saved_storage(obj)
         if saved is None:
             return None
         key, _ = self.storages.setdefault(saved.identity, (str(len(self.storages)), saved.storage))

@@ -126,6 +126,23 @@ def test_lone_tensors_of_every_layout_are_torch_saves_record_by_record_whenever_
     assert [type(obj) for obj in pickled] == [torch.Tensor, torch.nn.Parameter] and pickled[0].note == "kept"
 
 
+def test_plain_tensors_are_pickled_as_torch_pickles_them_without_its_reduction(monkeypatch):
+    with_attribute = torch.ones(2)
+    with_attribute.note = "kept"
+    complex_ones = torch.ones(3, dtype=torch.complex64)
+    plain = [torch.ones(2, 3), torch.arange(6)[1:4], complex_ones.conj(), torch.tensor(True), torch.empty(0)]
+    others = [torch.ones(2, requires_grad=True), with_attribute, torch.ones(3, dtype=torch.uint16)]
+    state = {"plain": plain, "others": others, "parameter": torch.nn.Parameter(torch.ones(2))}
+    _assert_torch_saves(state)
+    reduced = []
+    reduce_ex = torch.Tensor.__reduce_ex__
+    monkeypatch.setattr(
+        torch.Tensor, "__reduce_ex__", lambda self, proto: reduced.append(self) or reduce_ex(self, proto)
+    )
+    torch_zip._pickled(state, torch_zip.PICKLE_PROTOCOL)
+    assert [id(tensor) for tensor in reduced] == [id(tensor) for tensor in others]
+
+
 def test_small_tensors_written_together_are_each_one_written_alone():
     """Archives made together, layouts interleaved, are each the bytes write_archive writes for its tensor alone
     (which the test above holds to torch.save's), with its checksums, in order."""
