@@ -380,7 +380,7 @@ class _LoneTensorArchive:
         for record in archive.records[: self._data_index]:
             self._before_crc = zlib_ng.crc32_combine(self._before_crc, record.crc, record.size)
         self._version = version
-        # the serialization id's second number, but for the data's share of it (see many())
+        # the serialization id's second number, but for the data's share of it (see archives_of())
         self._combined_without_data = numpy.uint64(
             zlib_ng.crc32_combine(
                 zlib_ng.crc32_combine(self._before_crc, 0, data.size), self._version.crc, self._version.size
@@ -508,8 +508,8 @@ def write_archive(
             in order: for a caller whose bytes are still arriving, or lie elsewhere (a consolidated save), to wait
             for them or point to them.
         pickle_protocol: ``torch.save``'s argument of that name.
-        alignment: torch's alignment of records' data, read by a caller that writes many archives at once (reading
-            torch's setting costs more than writing a small tensor's archive); torch's setting by default.
+        alignment: the alignment of records' data: torch's setting by default, which a caller that writes many
+            archives at once reads once and passes (reading it costs more than writing a small tensor's archive).
 
     Returns:
         Where each record lies in what was written, and the CRC-32 of all of it.
