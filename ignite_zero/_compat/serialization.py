@@ -1,9 +1,10 @@
-"""torch's serialization: what ``torch.save`` records of a storage, and where ``torch.load`` found its bytes.
+"""torch's serialization: how ``torch.save`` reduces a plain tensor, what it records of a storage, and where
+``torch.load`` found its bytes.
 
 :mod:`ignite_zero.storage.formats.torch_zip` writes the archive ``torch.save`` writes, and
 :mod:`ignite_zero.storage.formats.file` reads checkpoint files in parts; both need details that torch keeps in
-private attributes and functions (a storage's legacy class and size, the records' alignment, where a record lies
-in its file), or that it sets only through a global option (the records' CRC-32).
+private attributes and functions (a tensor's rebuild function, a storage's legacy class and size, the records'
+alignment, where a record lies in its file), or that it sets only through a global option (the records' CRC-32).
 """
 
 from __future__ import annotations
