@@ -10,7 +10,7 @@ means editing that module alone:
 - :mod:`~ignite_zero._compat.sharded_optimizers`: ``ZeroRedundancyOptimizer`` and fairscale's ``OSS``;
 - :mod:`~ignite_zero._compat.serialization`: ``torch.save``'s archive and ``torch.load``'s offsets;
 - :mod:`~ignite_zero._compat.dcp`: torch.distributed.checkpoint;
-- :mod:`~ignite_zero._compat.dtensor`: DTensor layouts;
+- :mod:`~ignite_zero._compat.dtensor`: DTensor layouts, and DTensors of given local tensors;
 - :mod:`~ignite_zero._compat.modules`: ``nn.Module``'s non-persistent buffers and extra state, torch's wrappers;
 - :mod:`~ignite_zero._compat.fsdp1`: FSDP1's ``FlatParameter``;
 - :mod:`~ignite_zero._compat.fairscale_fsdp`: fairscale's ``FullyShardedDataParallel``.
@@ -30,7 +30,7 @@ from ignite_zero._compat.dcp import (
     dcp_metadata_globals,
     dcp_storage_info,
 )
-from ignite_zero._compat.dtensor import dtensor_block, dtensor_local, unsupported_placement
+from ignite_zero._compat.dtensor import dtensor_block, dtensor_local, dtensor_of_local, unsupported_placement
 from ignite_zero._compat.fairscale_fsdp import (
     FAIRSCALE_WRAPPER_SEGMENTS,
     FairscaleParamEntry,
@@ -102,6 +102,7 @@ __all__ = [
     "default_store",
     "dtensor_block",
     "dtensor_local",
+    "dtensor_of_local",
     "fairscale_fsdp_class",
     "fairscale_fsdp_params",
     "fairscale_release_full_params",

@@ -1,4 +1,5 @@
-"""DTensor layouts: where a rank's local tensor sits in the full tensor, and which placements have a layout.
+"""DTensor layouts: where a rank's local tensor sits in the full tensor, which placements have a layout, and a DTensor
+of a given local tensor.
 
 :mod:`ignite_zero.adapters._fsdp2` and :mod:`ignite_zero.storage.formats.dcp_saved` need each rank's block of a
 DTensor as DCP records it; torch computes it in a private function and keeps ``fully_shard``'s strided shards in a
@@ -7,12 +8,13 @@ private placement class.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["dtensor_block", "dtensor_local", "unsupported_placement"]
+__all__ = ["dtensor_block", "dtensor_local", "dtensor_of_local", "unsupported_placement"]
 
 
 def dtensor_block(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -36,6 +38,21 @@ def dtensor_local(tensor: Any) -> Any:
     its autograd function (which costs more than a small tensor's save or load), nor the ``Parameter`` mark it gives
     a parameter's. For reading and copying its data and layout, not for a result that autograd should see."""
     return tensor._local_tensor
+
+
+def dtensor_of_local(like: Any, local: Any) -> Any:
+    """A DTensor laid out like the DTensor ``like`` (its mesh, placements, shape and stride), of ``local``'s dtype,
+    whose local tensor is ``local`` itself, wherever ``local`` lies; local, no communication.
+
+    ``DTensor.from_local`` moves a local tensor that is not on its mesh's device type: the optimizer state of an FSDP2
+    parameter offloaded to the CPU (``CPUOffloadPolicy``) would go to the GPU, as a copy that writes into ``local``
+    never reach. FSDP2 builds its own offloaded parameters as this does, from the local tensor and the layout.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    spec = dataclasses.replace(like._spec, tensor_meta=TensorMeta(like.shape, like.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 # A model has few distinct shapes and layouts, so torch's computation, slow enough to show in every load, is kept by

@@ -29,7 +29,6 @@ from ignite_zero.adapters.regions import Box, Pieces
 __all__ = [
     "MeshLayout",
     "check",
-    "dtensor_like",
     "dtensor_pieces",
     "dtensor_slot",
     "model_pieces",
@@ -114,11 +113,6 @@ def dtensor_slot(name: str, tensor: DTensor) -> Slot:
 def dtensor_pieces(pieces: Pieces, key: tuple[Any, ...], slot: Slot, tensor: DTensor) -> None:
     """Add this rank's block of ``tensor`` (laid out like the parameter of ``slot``), with its mesh and placements."""
     slot.add_to(pieces, key, _compat.dtensor_local(tensor), _layout(tensor.device_mesh, tuple(tensor.placements)))
-
-
-def dtensor_like(param: DTensor, local: torch.Tensor) -> DTensor:
-    """A DTensor laid out like ``param`` whose local tensor is ``local``; local, no communication."""
-    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
 
 
 def _tied_names(module: nn.Module) -> dict[str, str]:

@@ -397,10 +397,7 @@ def _template(state: Any, live: bool) -> Any:
 
     def fresh(_: tree.Path, value: Any) -> Any:
         if isinstance(value, DTensor):
-            local = torch.empty_like(_compat.dtensor_local(value))
-            return DTensor.from_local(
-                local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
-            )
+            return _compat.dtensor_of_local(value, torch.empty_like(_compat.dtensor_local(value)))
         if isinstance(value, torch.Tensor) and type(value) in (torch.Tensor, nn.Parameter):
             return torch.empty_like(value)
         return value  # ShardedTensor (FSDP1 clones its shards already), and plain values
@@ -689,7 +686,7 @@ def _element_wise_target(layout: ParamLayout, existing: Any, dtype: torch.dtype)
         if isinstance(existing, DTensor) and (existing.placements, existing.shape, existing.dtype) == wanted:
             return _compat.dtensor_local(existing), existing
         local = torch.zeros(layout.local_shape, dtype=dtype, device=_compat.dtensor_local(param).device)
-        return local, _fsdp2.dtensor_like(param, local)
+        return local, _compat.dtensor_of_local(param, local)
     if isinstance(existing, torch.Tensor) and (tuple(existing.shape), existing.dtype) == (layout.local_shape, dtype):
         return existing, existing
     local = torch.zeros(layout.local_shape, dtype=dtype, device=param.device)

@@ -34,6 +34,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor, Partial, Shard
 from training import assert_state_equal
 
+from ignite_zero import _compat
 from ignite_zero.adapters.fsdp import (
     FSDPModelState,
     FSDPOptimizerState,
@@ -351,6 +352,16 @@ def _layouts(rank: int, world_size: int) -> None:
         saved = FSDPModelState(_wrap(copy.deepcopy(twin), setup), 1).state_dict()
         if rank == 1:
             assert_state_equal(saved, twin.state_dict())
+
+    # optimizer state loaded by name is a DTensor of the very tensor filled, of its own dtype, not a copy: one that
+    # `DTensor.from_local` makes on the mesh's device type, where a CPU-offloaded parameter's state lives elsewhere
+    param = next(_wrap(Net(), "fsdp2").parameters())
+    local = torch.ones_like(_compat.dtensor_local(param), dtype=torch.float64)
+    made = _compat.dtensor_of_local(param, local)
+    assert _compat.dtensor_local(made) is local and made.dtype == torch.float64 and not made.requires_grad
+    laid_out = (made.device_mesh, made.placements, made.shape, made.stride())
+    assert laid_out == (param.device_mesh, param.placements, param.shape, param.stride())
+    assert torch.equal(made.full_tensor(), torch.ones(param.shape, dtype=torch.float64))
 
 
 def _storages(value: Any) -> set[int]:
