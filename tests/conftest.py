@@ -20,6 +20,11 @@ os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
     os.environ.pop(name, None)
 
+# The ranks of a test are forked from this process (see support/launcher.py), and a child cannot start CUDA once its
+# parent has: torch asks NVML, not CUDA, whether a GPU is there (`torch.cuda.is_available()` in a `skipif`), so that
+# on a machine with GPUs the ranks of a CUDA test can use them.
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+
 
 def _free_port() -> int:
     """A port that nothing listens on, below the kernel's range of ephemeral ports: one of that range, free now, may
