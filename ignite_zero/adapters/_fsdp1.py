@@ -15,13 +15,40 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FlatParameter, FullyShardedDataParallel, ShardingStrategy
 
 from ignite_zero import _compat
-from ignite_zero.adapters._fsdp_common import ParamLayout, PendingModelLoad, Slot, add_unsharded, clean_name, whole_slot
+from ignite_zero.adapters._fsdp_common import (
+    ParamLayout,
+    PendingModelLoad,
+    Slot,
+    add_unsharded,
+    clean_name,
+    quiet_state_dict_apis,
+    whole_slot,
+)
 from ignite_zero.adapters.regions import Pieces
 
-__all__ = ["check", "model_pieces", "param_layouts", "plan_model_load"]
+__all__ = [
+    "check",
+    "load_sharded_model",
+    "load_sharded_optimizer",
+    "model_pieces",
+    "param_layouts",
+    "param_names",
+    "plan_model_load",
+    "sharded_model_state",
+    "sharded_optimizer_state",
+]
+
+_SHARDED = StateDictOptions(full_state_dict=False)
 
 
 @dataclass
@@ -164,3 +191,33 @@ def param_layouts(module: nn.Module) -> dict[int, ParamLayout]:
         for name, param in _unmanaged_parameters(m):
             layouts.setdefault(id(param), ParamLayout(param, tuple(param.shape), [whole_slot(prefix + name, param)]))
     return layouts
+
+
+def param_names(module: nn.Module) -> set[str]:
+    """The names of every parameter an optimizer of ``module`` may hold state for (a flat parameter's many)."""
+    return {slot.name for layout in param_layouts(module).values() for slot in layout.slots}
+
+
+def sharded_model_state(module: nn.Module) -> dict[str, Any]:
+    """This rank's shards as ``ShardedTensor`` objects, by the unwrapped module's names: torch's sharded state dict,
+    which knows how FSDP1 flattens its parameters."""
+    with quiet_state_dict_apis():
+        return get_model_state_dict(module, options=_SHARDED)
+
+
+def load_sharded_model(module: nn.Module, state: dict[str, Any]) -> None:
+    """Load :func:`sharded_model_state`'s form, as torch's ``set_model_state_dict`` does."""
+    with quiet_state_dict_apis():
+        set_model_state_dict(module, state, options=_SHARDED)
+
+
+def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's part of the optimizer state by parameter names, as torch's ``get_optimizer_state_dict`` gives it."""
+    with quiet_state_dict_apis():
+        return get_optimizer_state_dict(module, optimizer, options=_SHARDED)
+
+
+def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load :func:`sharded_optimizer_state`'s form, as torch's ``set_optimizer_state_dict`` does."""
+    with quiet_state_dict_apis():
+        set_optimizer_state_dict(module, optimizer, state, options=_SHARDED)

@@ -31,10 +31,15 @@ __all__ = [
     "check",
     "dtensor_pieces",
     "dtensor_slot",
+    "load_sharded_model",
+    "load_sharded_optimizer",
     "model_pieces",
     "param_layouts",
+    "param_names",
     "plan_model_load",
     "reshard",
+    "sharded_model_state",
+    "sharded_optimizer_state",
 ]
 
 
@@ -182,3 +187,78 @@ def param_layouts(module: nn.Module) -> dict[int, ParamLayout]:
         else:
             layouts[id(param)] = ParamLayout(param, tuple(param.shape), [whole_slot(name, param)])
     return layouts
+
+
+# Sharded state dicts. FSDP2's parameters are DTensors already, so a module's own state_dict() is its sharded state,
+# and an optimizer's holds the DTensors of that state: naming them is all torch's get/set_*_state_dict add here, and
+# they rebuild maps of every parameter's names on every call (a third of a sharded save of many small tensors).
+# The names are the consolidated state's, which are torch's for FSDP2 modules (the tests compare the two).
+
+
+def _names_by_id(module: nn.Module) -> dict[int, str]:
+    reshard(module)
+    return {id(param): clean_name(name) for name, param in module.named_parameters()}
+
+
+def param_names(module: nn.Module) -> set[str]:
+    """The names of every parameter an optimizer of ``module`` may hold state for (a tied one's first name)."""
+    return set(_names_by_id(module).values())
+
+
+@torch.no_grad()
+def sharded_model_state(module: nn.Module) -> dict[str, Any]:
+    """This rank's shards (DTensor views), buffers and extra state, by the unwrapped module's names, as torch's
+    ``get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))`` gives them."""
+    return {clean_name(name): value for name, value in module.state_dict().items()}
+
+
+@torch.no_grad()
+def load_sharded_model(module: nn.Module, state: Mapping[str, Any]) -> None:
+    """Load :func:`sharded_model_state`'s form through ``module.load_state_dict`` (strict), under the module's own
+    names, as torch's ``set_model_state_dict`` does."""
+    own_names = {clean_name(name): name for name in module.state_dict(keep_vars=True)}
+    module.load_state_dict({own_names.get(name, name): value for name, value in state.items()})
+
+
+def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` keyed by parameter names: this rank's part of the state (DTensors laid out like
+    the parameters), as torch's ``get_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=False))``
+    gives it for an optimizer that has state."""
+    names = _names_by_id(module)
+    by_index = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    indexed = optimizer.state_dict()
+    return {
+        "state": {by_index[index]: value for index, value in indexed["state"].items()},
+        "param_groups": [
+            {**group, "params": [by_index[index] for index in group["params"]]} for group in indexed["param_groups"]
+        ],
+    }
+
+
+def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Load :func:`sharded_optimizer_state`'s form through ``optimizer.load_state_dict``.
+
+    Each parameter group of the optimizer takes the hyperparameters of the saved group that holds the same
+    parameters, in whatever order; each parameter the state saved for it.
+
+    Raises:
+        ValueError: a parameter group of the optimizer holds parameters that no saved group holds exactly.
+    """
+    names = _names_by_id(module)
+    saved_groups = state["param_groups"]
+    group_of = {name: group for group in saved_groups for name in group["params"]}
+    empty_groups = iter([group for group in saved_groups if not group["params"]])
+    saved_state = state["state"]
+    groups, by_index, start = [], {}, 0
+    for position, group in enumerate(optimizer.param_groups):
+        own = [names[id(param)] for param in group["params"]]
+        saved = group_of.get(own[0]) if own else next(empty_groups, None)
+        if saved is None or sorted(saved["params"]) != sorted(own):
+            raise ValueError(
+                f"Parameter group {position} of this {type(optimizer).__name__} holds {own}, which no parameter group "
+                f"of the checkpoint holds: build the optimizer's parameter groups as they were when it was saved"
+            )
+        groups.append({**saved, "params": list(range(start, start + len(own)))})
+        by_index.update({start + i: saved_state[name] for i, name in enumerate(own) if name in saved_state})
+        start += len(own)
+    optimizer.load_state_dict({"state": by_index, "param_groups": groups})

@@ -9,7 +9,9 @@ FSDP kinds differ only in how they find them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,7 @@ __all__ = [
     "add_unsharded",
     "clean_name",
     "has_extra_state",
+    "quiet_state_dict_apis",
     "whole_slot",
 ]
 
@@ -36,6 +39,15 @@ __all__ = [
 def clean_name(name: str) -> str:
     """``name`` as in the unwrapped module's ``state_dict()``."""
     return ".".join(part for part in name.split(".") if part not in _compat.TORCH_WRAPPER_SEGMENTS)
+
+
+@contextmanager
+def quiet_state_dict_apis() -> Iterator[None]:
+    """torch's state-dict functions warn about FSDP1 internals they use themselves (ShardedTensor, state_dict_type)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed")
+        yield
 
 
 def has_extra_state(module: nn.Module) -> bool:

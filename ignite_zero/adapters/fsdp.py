@@ -19,28 +19,27 @@ A file saved from FSDP1 loads into FSDP2 and the other way round, and into a pla
 from __future__ import annotations
 
 import copy
-import warnings
 from abc import abstractmethod
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import FlatParameter, FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from ignite_zero import _compat, tree
 from ignite_zero.adapters import _fsdp1, _fsdp2, deferred
-from ignite_zero.adapters._fsdp_common import ParamLayout, Slot, add_value, clean_name, whole_slot
+from ignite_zero.adapters._fsdp_common import (
+    ParamLayout,
+    Slot,
+    add_value,
+    clean_name,
+    quiet_state_dict_apis,
+    whole_slot,
+)
 from ignite_zero.adapters.base import ShardedState
 from ignite_zero.adapters.regions import Pieces, gather_pieces
 from ignite_zero.transport import Overlap
@@ -221,8 +220,7 @@ class FSDPModelState(_FSDPState):
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shards as ``torch.distributed.checkpoint.state_dict`` gives them (``DTensor`` for FSDP2,
         ``ShardedTensor`` for FSDP1), by the unwrapped module's names."""
-        with _quiet_state_dict_apis():
-            return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=False))
+        return _kind(self.module).sharded_model_state(self.module)
 
     def sharded_template(self, saved: set[tuple[Any, ...]], live: bool = False) -> dict[str, Any]:
         """This rank's shards (FSDP2's own parameters when ``live``), or new tensors laid out alike: reading fills
@@ -230,8 +228,7 @@ class FSDPModelState(_FSDPState):
         return _template(self.sharded_state_dict(), live)
 
     def load_sharded(self, state: Any) -> None:
-        with _quiet_state_dict_apis():
-            set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=False))
+        _kind(self.module).load_sharded_model(self.module, state)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Restore this rank's shards, buffers and extra state from a full model state; local.
@@ -337,17 +334,18 @@ class FSDPOptimizerState(OptimizerStateByName, _FSDPState):
         function would create the state with a step)."""
         if not self.obj.state:
             return {"state": {}, "param_groups": self.snapshot()[1]}
-        with _quiet_state_dict_apis():
-            return get_optimizer_state_dict(self.module, self.obj, options=StateDictOptions(full_state_dict=False))
+        return _kind(self.module).sharded_optimizer_state(self.module, self.obj)
 
     def sharded_template(self, saved: set[tuple[Any, ...]], live: bool = False) -> dict[str, Any] | None:
         """This rank's optimizer state (its own tensors when ``live``), or new tensors laid out alike; ``None`` when
         the checkpoint holds no state, or holds it by index (a plain optimizer's, read whole and then put by
         name)."""
-        names = {slot.name for layout in _param_layouts(self.module).values() for slot in layout.slots}
+        names = _kind(self.module).param_names(self.module)
         if not any(path[:1] == ("state",) and path[1] in names for path in saved if len(path) > 1):
             return None
-        with _quiet_state_dict_apis():  # an optimizer without state gets it from a step with zero gradients
+        if self.obj.state:
+            return _template(_kind(self.module).sharded_optimizer_state(self.module, self.obj), live)
+        with quiet_state_dict_apis():  # an optimizer without state gets it from torch's step with zero gradients
             return _template(
                 get_optimizer_state_dict(self.module, self.obj, options=StateDictOptions(full_state_dict=False)), live
             )
@@ -356,8 +354,7 @@ class FSDPOptimizerState(OptimizerStateByName, _FSDPState):
         if not state.get("state"):
             self.load_state_dict(state)
             return
-        with _quiet_state_dict_apis():
-            set_optimizer_state_dict(self.module, self.obj, state, options=StateDictOptions(full_state_dict=False))
+        _kind(self.module).load_sharded_optimizer(self.module, self.obj, state)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore this rank's part of the optimizer state from a full, name-keyed one; local.
@@ -377,15 +374,6 @@ class FSDPOptimizerState(OptimizerStateByName, _FSDPState):
         layouts = _param_layouts(self.module)
         check_optimizer_state(layouts, self.obj, state_dict)
         return lambda: self.obj.load_state_dict(local_optimizer_state(layouts, self.obj, state_dict, reuse=True))
-
-
-@contextmanager
-def _quiet_state_dict_apis() -> Iterator[None]:
-    """torch's state-dict functions warn about FSDP1 internals they use themselves (ShardedTensor, state_dict_type)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed")
-        yield
 
 
 def _template(state: Any, live: bool) -> Any:

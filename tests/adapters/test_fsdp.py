@@ -21,9 +21,11 @@ import torch.distributed as dist
 from fsdp_states import assert_states, full_optimizer_state, gather_fsdp_state, train_same_batches
 from launcher import run_ranks
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     FullyShardedDataParallel,
     MixedPrecision,
     MixedPrecisionPolicy,
@@ -295,6 +297,7 @@ def _against_twin(
     assert fresh["state"] == {} if rank == 1 else fresh == {}
     train_same_batches(model, optimizer, range(2), tokens)
     train_same_batches(twin, twin_optimizer, range(2), tokens)
+    _sharded_like_torch(model, optimizer)
     expected = {"model": twin.state_dict(), "optimizer": full_optimizer_state(twin, twin_optimizer)}
     saved = gather_fsdp_state(model, optimizer, 1)
     if rank == 1:
@@ -309,6 +312,68 @@ def _against_twin(
     return saved
 
 
+def _same_tensor(ours: Any, theirs: Any) -> bool:
+    """Whether two views are of the same elements, laid out alike (``state_dict()`` detaches anew each call)."""
+    if isinstance(ours, DTensor):
+        if (ours.device_mesh, ours.placements) != (theirs.device_mesh, theirs.placements):
+            return False
+        ours, theirs = _compat.dtensor_local(ours), _compat.dtensor_local(theirs)
+    if not isinstance(ours, torch.Tensor):
+        return type(ours) is type(theirs) and ours == theirs
+    laid_out = (ours.shape, ours.stride(), ours.dtype, ours.storage_offset())
+    return laid_out == (theirs.shape, theirs.stride(), theirs.dtype, theirs.storage_offset()) and (
+        ours.untyped_storage().data_ptr() == theirs.untyped_storage().data_ptr()
+    )
+
+
+def _sharded_like_torch(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The sharded state dicts are torch's (the same names in the same order, views of the same elements, the very
+    optimizer state tensors), and loading them restores the state, matching the optimizer's parameter groups by
+    the parameters they hold, whatever their order."""
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return  # FSDP1's are torch's own
+    sharded = StateDictOptions(full_state_dict=False)
+    model_theirs = get_model_state_dict(model, options=sharded)
+    optimizer_theirs = get_optimizer_state_dict(model, optimizer, options=sharded)
+    model_state, optimizer_state = FSDPModelState(model), FSDPOptimizerState(model, optimizer)
+    model_ours, optimizer_ours = model_state.sharded_state_dict(), optimizer_state.sharded_state_dict()
+    assert list(model_ours) == list(model_theirs)
+    assert all(_same_tensor(model_ours[name], value) for name, value in model_theirs.items())
+    assert list(optimizer_ours["state"]) == list(optimizer_theirs["state"])
+    for name, values in optimizer_theirs["state"].items():
+        assert all(optimizer_ours["state"][name][key] is value for key, value in values.items())
+    assert optimizer_ours["param_groups"] == optimizer_theirs["param_groups"]
+    kept = copy.deepcopy((model_ours, optimizer_ours))
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *(v for s in optimizer.state.values() for v in s.values())]:
+            tensor.zero_()
+    for group in optimizer.param_groups:
+        group["lr"] = 0.5
+    reordered = {**kept[1], "param_groups": kept[1]["param_groups"][::-1]}
+    model_state.load_sharded(kept[0])
+    optimizer_state.load_sharded(reordered)
+    assert all(
+        torch.equal(_local(value), _local(model_ours[name]))
+        for name, value in kept[0].items()
+        if _local(value) is not None
+    )
+    again = optimizer_state.sharded_state_dict()
+    assert again["param_groups"] == optimizer_ours["param_groups"]
+    for name, values in again["state"].items():
+        assert all(torch.equal(_local(value), _local(kept[1]["state"][name][key])) for key, value in values.items())
+    if len(optimizer.param_groups) > 1:  # a parameter saved in another group
+        moved = copy.deepcopy(kept[1])
+        moved["param_groups"][1]["params"].append(moved["param_groups"][0]["params"].pop())
+        with pytest.raises(ValueError, match="Parameter group 0 of this Adam holds .* no parameter group of the"):
+            optimizer_state.load_sharded(moved)
+
+
+def _local(value: Any) -> torch.Tensor | None:
+    if isinstance(value, DTensor):
+        return _compat.dtensor_local(value)
+    return value if isinstance(value, torch.Tensor) else None
+
+
 def _layouts(rank: int, world_size: int) -> None:
     for setup in ("fsdp2", "fsdp1_orig", "fsdp1_flat"):
         saved = _against_twin(rank, TiedNet, functools.partial(_wrap, setup=setup), tokens=True)
@@ -319,6 +384,12 @@ def _layouts(rank: int, world_size: int) -> None:
         saved = _against_twin(rank, Net, functools.partial(_wrap, setup=setup), _two_groups)
         if rank == 1:
             assert [len(group["params"]) for group in saved["optimizer"]["param_groups"]] == [3, 13]
+
+    # torch.compile's wrapper adds a segment to every name under it (nothing is compiled: the model is not called)
+    model = _wrap(Net(), "fsdp2")
+    optimizer = _two_groups(model)
+    train_same_batches(model, optimizer, range(1))
+    _sharded_like_torch(torch.compile(model), optimizer)
 
     def columns(param: nn.Parameter) -> Shard | None:
         return Shard(1) if param.dim() == 2 and param.shape[1] % world_size == 0 else None
