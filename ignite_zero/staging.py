@@ -13,14 +13,29 @@ beyond it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+import mmap
+import os
+import uuid
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from ignite_zero.pickling import join_tensors, split_tensors
 
-__all__ = ["PINNED_LIMIT", "Stager", "Streams", "current_streams", "on_host", "to_cpu"]
+__all__ = [
+    "PINNED_LIMIT",
+    "HostBuffers",
+    "SharedBlock",
+    "SharedTensor",
+    "Stager",
+    "Streams",
+    "current_streams",
+    "on_host",
+    "shared_tensor",
+    "to_cpu",
+]
 
 #: The CUDA stream current on each device, by device index.
 Streams = Mapping[int, Any]
@@ -161,3 +176,91 @@ def _owning(tensor: torch.Tensor) -> torch.Tensor:
     if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
         tensor = tensor.clone(memory_format=torch.contiguous_format)
     return tensor
+
+
+#: Where each tensor starts in a shared block: a multiple of this, as torch aligns what it allocates.
+_ALIGNMENT = 64
+
+
+class SharedTensor(NamedTuple):
+    """A tensor in a :class:`SharedBlock`, as another process that maps the block rebuilds it."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class SharedBlock:
+    """One block of host memory that another process can map: a ``memfd`` of ``size`` bytes, named by ``token``.
+
+    The tensors made in it each own exactly their bytes (:func:`shared_tensor`), as a reader wants them.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = max(size, 1)
+        self.token = uuid.uuid4().hex
+        self.fd = os.memfd_create("ignite_zero-staging", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.size)
+            self.map = mmap.mmap(self.fd, self.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        weakref.finalize(self, os.close, self.fd)  # the mapping itself lives as long as the tensors made in it
+        self._base = torch.frombuffer(self.map, dtype=torch.uint8).data_ptr()
+
+    def where(self, tensor: torch.Tensor) -> SharedTensor:
+        """Where ``tensor``, one made in this block, lies in it."""
+        return SharedTensor(tensor.data_ptr() - self._base, tensor.nbytes, tensor.dtype, tuple(tensor.shape))
+
+
+def shared_tensor(block: mmap.mmap, where: SharedTensor) -> torch.Tensor:
+    """The tensor at ``where`` in the mapped ``block``, owning exactly its bytes."""
+    if where.nbytes == 0:
+        return torch.empty(where.shape, dtype=where.dtype)
+    data = torch.frombuffer(block, dtype=torch.uint8, count=where.nbytes, offset=where.offset)
+    return data.view(where.dtype).view(where.shape)
+
+
+class HostBuffers:
+    """Host copies of the tensors of an asynchronous save, kept for the next save while the tensors keep their shapes
+    and dtypes (a steady run allocates nothing after its first save).
+
+    Copies of CPU tensors lie in one :class:`SharedBlock` where the platform has ``memfd`` (Linux), so that another
+    process can write them out without copying them again; copies of accelerator tensors are pinned, for copies at
+    full bandwidth, and only this process reads them.
+    """
+
+    def __init__(self) -> None:
+        self._kept: tuple[list[tuple[torch.Size, torch.dtype]], bool] | None = None
+        self._buffers: list[torch.Tensor] = []
+        #: the block the buffers lie in; ``None`` when they are not shared
+        self.block: SharedBlock | None = None
+
+    def copy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``tensors`` in the kept buffers (new ones where their shapes or dtypes changed)."""
+        accelerated = any(tensor.device.type != "cpu" for tensor in tensors)
+        layout = ([(tensor.shape, tensor.dtype) for tensor in tensors], accelerated)
+        if layout != self._kept:
+            self._buffers, self._kept = [], None  # the old buffers go before the new ones are made
+            self._buffers, self.block = self._allocate(tensors, accelerated)
+            self._kept = layout
+        for buffer, tensor in zip(self._buffers, tensors):
+            buffer.copy_(tensor.detach(), non_blocking=accelerated)
+        if accelerated and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the copies were issued without blocking, one after the other
+        return self._buffers
+
+    @staticmethod
+    def _allocate(tensors: Sequence[torch.Tensor], accelerated: bool) -> tuple[list[torch.Tensor], SharedBlock | None]:
+        if accelerated or not hasattr(os, "memfd_create"):
+            pin = accelerated and torch.cuda.is_available()
+            return [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors], None
+        places, size = [], 0
+        for tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            places.append(SharedTensor(size, nbytes, tensor.dtype, tuple(tensor.shape)))
+            size += -(-nbytes // _ALIGNMENT) * _ALIGNMENT
+        block = SharedBlock(size)
+        return [shared_tensor(block.map, where) for where in places], block

@@ -26,7 +26,6 @@ from ignite_zero._compat.dcp import (
     DcpFsspecWriter,
     dcp_entry_path,
     dcp_flatten,
-    dcp_host_copies,
     dcp_metadata_globals,
     dcp_storage_info,
 )
@@ -96,7 +95,6 @@ __all__ = [
     "consolidated_state_attribute",
     "dcp_entry_path",
     "dcp_flatten",
-    "dcp_host_copies",
     "dcp_metadata_globals",
     "dcp_storage_info",
     "default_store",

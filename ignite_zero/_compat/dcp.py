@@ -19,24 +19,12 @@ __all__ = [
     "DcpFsspecWriter",
     "dcp_entry_path",
     "dcp_flatten",
-    "dcp_host_copies",
     "dcp_metadata_globals",
     "dcp_storage_info",
 ]
 
 #: The version ``FileSystemWriter`` records in ``.metadata`` (torch 2.11 to 2.14).
 DCP_VERSION = "1.0.0"
-
-
-def dcp_host_copies() -> tuple[Any, Any]:
-    """``torch.distributed.checkpoint``'s functions that allocate host copies of a state (``DTensor`` and
-    ``ShardedTensor`` included) and copy a state into them: ``(create(state, pin_memory), copy(state, copies))``.
-
-    DCP's own cached staging pins its buffers unconditionally, which fails on hosts without an accelerator.
-    """
-    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
-    return _create_cpu_state_dict, _copy_state_dict
 
 
 def dcp_flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:

@@ -30,8 +30,8 @@ import os
 import pickle
 import struct
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import IO, Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -72,7 +72,7 @@ from ignite_zero.storage.formats.dcp_entries import (
 )
 from ignite_zero.storage.places import Place, place_of
 
-__all__ = ["PlaceStorageReader", "PlaceStorageWriter", "tensor_nbytes"]
+__all__ = ["FileWritten", "PlaceStorageReader", "PlaceStorageWriter", "tensor_nbytes", "write_entries"]
 
 _SUFFIX = ".distcp"
 # Writes up to the first size are gathered until they reach the second: one write for the archives of many small
@@ -167,6 +167,34 @@ class _Output:
         self.records.append(record)
 
 
+class FileWritten(NamedTuple):
+    """A ``.distcp`` file as written: its size, CRC-32, and its entries' records in the order written."""
+
+    size: int
+    crc: int
+    records: list[EntryRecord]
+
+
+def write_entries(place: Place, name: str, entries: Iterable[Any]) -> FileWritten:
+    """Write the file ``name`` of ``place`` (in place: the saver commits the directory whole), an entry for each of
+    ``entries`` in turn: a value's bytes (``bytes``, a buffer or ``io.BytesIO``), or a CPU tensor's archive."""
+    written: list[FileWritten] = []
+
+    def dump(stream: IO[bytes]) -> None:
+        output = _Output(stream)
+        for data in entries:
+            if isinstance(data, torch.Tensor):
+                output.tensor(data)
+            else:
+                output.value(data.getbuffer() if isinstance(data, io.BytesIO) else data)
+            del data  # unless held with other small tensors, a host copy goes before the next one is made
+        output.finish()
+        written.append(FileWritten(output.size, output.crc, output.records))
+
+    place.write(name, dump, atomic=False)
+    return written[-1]
+
+
 class PlaceStorageWriter(StorageWriter):
     """A DCP ``StorageWriter`` of the files ``FileSystemWriter`` writes, into a :class:`Place` (a local directory or
     an object store's prefix), each file written once, sequentially, with :meth:`Place.write`.
@@ -216,45 +244,51 @@ class PlaceStorageWriter(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        producers = staging.current_streams()  # this thread's: the writing threads copy after their work
+
+        def write(name: str, items: list[WriteItem]) -> FileWritten:
+            # a host copy goes before the next one is made, unless held with other small tensors
+            values = staging.on_host((planner.resolve_data(item) for item in items), producers)
+            return write_entries(self.place, name, values)
+
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(self._write_files(plan, write))
+        return future
+
+    def write_staged(
+        self, plan: SavePlan, staged: Sequence[Any], write_file: Callable[[Place, str, list[Any]], FileWritten]
+    ) -> list[WriteResult]:
+        """Write ``plan`` from ``staged``, a host copy of what each of its items resolves to (values' bytes, tensors),
+        each file by ``write_file(place, name, entries)``: :func:`write_entries`, or its call in another process."""
+        by_index = {item.index: value for item, value in zip(plan.items, staged, strict=True)}
+        return self._write_files(
+            plan, lambda name, items: write_file(self.place, name, [by_index[i.index] for i in items])
+        )
+
+    def _write_files(self, plan: SavePlan, write: Callable[[str, list[WriteItem]], FileWritten]) -> list[WriteResult]:
+        """Write this rank's files of ``plan``, each with ``write(name, items)``: one file, or one per thread."""
         # here, not while planning: a saver plans before its writing rank clears what an interrupted save left
         self.place.make()
         prefix = plan.storage_data.prefix
         files = [(f"{prefix}{n}{_SUFFIX}", items) for n, items in enumerate(_split(plan.items, self.thread_count))]
-        producers = staging.current_streams()  # this thread's: the writing threads copy after their work
         if len(files) == 1:
-            results = self._write_file(files[0][0], files[0][1], planner, producers)
-        else:
-            with concurrent.futures.ThreadPoolExecutor(len(files), thread_name_prefix="ignite_zero-write") as pool:
-                parts = pool.map(lambda f: self._write_file(f[0], f[1], planner, producers), files)
-                results = [result for part in parts for result in part]
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
+            return self._write_file(*files[0], write)
+        with concurrent.futures.ThreadPoolExecutor(len(files), thread_name_prefix="ignite_zero-write") as pool:
+            parts = pool.map(lambda f: self._write_file(f[0], f[1], write), files)
+            return [result for part in parts for result in part]
 
     def _write_file(
-        self, name: str, items: list[WriteItem], planner: SavePlanner, producers: staging.Streams
+        self, name: str, items: list[WriteItem], write: Callable[[str, list[WriteItem]], FileWritten]
     ) -> list[WriteResult]:
-        results: list[WriteResult] = []
-
-        def dump(stream: IO[bytes]) -> None:
-            output = _Output(stream)
-            # values first, then tensors, as DCP's own writer orders them
-            ordered = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)
-            for data in staging.on_host((planner.resolve_data(item) for item in ordered), producers):
-                if isinstance(data, io.BytesIO):
-                    output.value(data.getbuffer())
-                else:
-                    output.tensor(data)
-                del data  # a host copy goes before the next one is made, unless held with other small tensors
-            output.finish()
-            for item, record in zip(ordered, output.records, strict=True):
-                info = _compat.dcp_storage_info(name, record.offset, record.length)
-                results.append(WriteResult(index=item.index, size_in_bytes=record.length, storage_data=info))
-            self.written[name] = (output.size, output.crc)
-            self.records[name] = output.records
-
-        self.place.write(name, dump, atomic=False)  # the directory is committed as a whole, by the saver
-        return results
+        # values first, then tensors, as DCP's own writer orders them
+        ordered = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+        written = write(name, ordered)
+        self.written[name] = (written.size, written.crc)
+        self.records[name] = written.records
+        return [
+            WriteResult(item.index, record.length, _compat.dcp_storage_info(name, record.offset, record.length))
+            for item, record in zip(ordered, written.records, strict=True)
+        ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator: write ``.metadata``, last (its bytes kept in :attr:`metadata_file`)."""

@@ -25,8 +25,8 @@ alone reads them and scatters each rank its own.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -38,9 +38,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 
 from ignite_zero import _compat
-from ignite_zero.storage.formats.dcp_files import MetadataFile, PlaceStorageWriter
+from ignite_zero.staging import HostBuffers, SharedBlock
+from ignite_zero.storage.formats.dcp_files import FileWritten, MetadataFile, PlaceStorageWriter
+from ignite_zero.storage.places import Place
 
-__all__ = ["Offer", "SavePlanning", "WrittenPart", "as_saved"]
+__all__ = ["Offer", "SavePlanning", "StagedPart", "WrittenPart", "as_saved"]
 
 
 def as_saved(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -129,6 +131,15 @@ class WrittenPart:
 
     def same_places(self, other: WrittenPart) -> bool:
         return self.files == other.files and np.array_equal(self.places, other.places)
+
+
+class StagedPart(NamedTuple):
+    """A host copy of what a rank writes of a save: its part of the plan, and what each item resolved to (a value's
+    bytes, a copy of a tensor), in the plan's order; the block that the copies lie in, where they are shared."""
+
+    plan: SavePlan
+    values: list[Any]
+    block: SharedBlock | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,26 +265,39 @@ class SavePlanning:
         self._written = None
         return True
 
-    def write(self, writer: StorageWriter, staged: Mapping[str, Any] | None = None) -> WrittenPart:
+    def write(self, writer: StorageWriter) -> WrittenPart:
         """Write this rank's part of the agreed plan.
 
         Args:
             writer: the storage writer that :meth:`offer` was given.
-            staged: a host copy of the state to write instead of the state planned, laid out alike (an asynchronous
-                save's, whose planned state may be released meanwhile).
 
         Returns:
             Where each item was written, for :meth:`finish` on the coordinator.
         """
         kept, planner = self._kept, self._planner
-        if staged is not None:
-            planner = _LocalTensorSavePlanner()
-            planner.set_up_planner(state_dict=dict(staged), is_coordinator=self.is_coordinator)
         assert planner is not None and kept is not None, "offer() and make_global_plans() first"
         plan = planner.finish_plan(kept.central_plan)
         writes = writer.write_data(plan, planner)
         writes.wait()
         return WrittenPart.of(plan, writes.value())
+
+    def stage(self, buffers: HostBuffers) -> StagedPart:
+        """Copy what this rank writes of the agreed plan into host memory: each item's tensor into ``buffers``, each
+        value pickled; the state itself may then change while :meth:`write_staged` writes the copy."""
+        kept, planner = self._kept, self._planner
+        assert planner is not None and kept is not None, "offer() and make_global_plans() first"
+        plan = planner.finish_plan(kept.central_plan)
+        resolved = [planner.resolve_data(item) for item in plan.items]
+        copies = iter(buffers.copy([value for value in resolved if isinstance(value, torch.Tensor)]))
+        staged = [next(copies) if isinstance(value, torch.Tensor) else value.getvalue() for value in resolved]
+        return StagedPart(plan, staged, buffers.block)
+
+    def write_staged(
+        self, writer: PlaceStorageWriter, staged: StagedPart, write_file: Callable[[Place, str, list[Any]], FileWritten]
+    ) -> WrittenPart:
+        """Write this rank's part from ``staged``, each file with ``write_file`` (see
+        :meth:`~ignite_zero.storage.formats.dcp_files.PlaceStorageWriter.write_staged`)."""
+        return WrittenPart.of(staged.plan, writer.write_staged(staged.plan, staged.values, write_file))
 
     def finish(self, writer: PlaceStorageWriter, parts: Sequence[WrittenPart]) -> None:
         """On the coordinator, once every rank wrote: ``.metadata``; the last save's bytes again where every rank

@@ -36,7 +36,6 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from ignite_zero import _compat
 from ignite_zero.storage.formats.base import (
@@ -85,40 +84,20 @@ _VERSION = 2
 _READ_CHUNK = 1 << 20
 
 
-class DirectoryWriter(PlaceStorageWriter, BlockingAsyncStager):
+class DirectoryWriter(PlaceStorageWriter):
     """The writer of a sharded checkpoint directory: DCP's files, written straight from tensor memory with every
     record's CRC-32 (:class:`~ignite_zero.storage.formats.dcp_files.PlaceStorageWriter`), into a local directory or
-    an object store alike; for an asynchronous save, it stages host copies it may keep for the next one.
+    an object store alike.
 
     Args:
         place: the checkpoint directory.
         thread_count: files each rank writes, each from a thread of its own.
-        cache_staged_state_dict: keep the host copies of an asynchronous save for the next one.
     """
 
-    def __init__(self, place: Place, thread_count: int = 1, cache_staged_state_dict: bool = False) -> None:
-        PlaceStorageWriter.__init__(self, place, thread_count)
-        BlockingAsyncStager.__init__(self, cache_staged_state_dict)
-        self._copies: Any = None
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A host copy of ``state_dict`` for an asynchronous save; kept and reused when caching, pinned only where
-        an accelerator can pin it."""
-        if not self.cache_staged_state_dict:
-            return super().stage(state_dict)
-        create, copy = _compat.dcp_host_copies()
-        if self._copies is not None:
-            try:
-                return copy(state_dict, self._copies)
-            except (KeyError, RuntimeError):  # another layout than last time: new copies
-                self._copies = None
-        self._copies = create(state_dict, pin_memory=torch.cuda.is_available())
-        return copy(state_dict, self._copies)
-
-
-def writer_for(place: Place, thread_count: int, cache_staged_state_dict: bool = False) -> DirectoryWriter:
+def writer_for(place: Place, thread_count: int) -> DirectoryWriter:
     """The writer of the checkpoint directory ``place``."""
-    return DirectoryWriter(place, thread_count, cache_staged_state_dict)
+    return DirectoryWriter(place, thread_count)
 
 
 class _ForeignReader(_compat.DcpFsspecReader):

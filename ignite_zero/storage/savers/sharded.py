@@ -235,7 +235,7 @@ class ShardedSaver(DirectorySaver):
         state = as_saved(state)
         check_filename(filename)
         commit = ShardedCommit(self, filename, timeout=timeout, stream=stream, ranks=ranks)
-        commit.prepare(state, cache=False)
+        commit.prepare(state)
         commit.relay()
         wrote = commit.write()
         commit.finish(wrote, commit.group_after_write())
@@ -252,8 +252,8 @@ class ShardedSaver(DirectorySaver):
         state = as_saved(state)
         check_filename(filename)
         commit = ShardedCommit(self, filename, timeout=timeout, stream=stream, ranks=ranks)
-        commit.prepare(state, cache=True)
-        staged = commit.stage(state)
+        commit.prepare(state)
+        staged = commit.stage()
 
         def finish() -> None:
             commit.finish(staged if isinstance(staged, Exception) else commit.write(staged), group)

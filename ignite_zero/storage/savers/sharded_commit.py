@@ -24,9 +24,11 @@ from ignite_zero.agreement import (
     settle,
     together,
 )
+from ignite_zero.staging import HostBuffers
 from ignite_zero.storage import replicas as replicas_
 from ignite_zero.storage.formats import directory as sharded
-from ignite_zero.storage.formats.dcp_plans import Offer, SavePlanning, WrittenPart
+from ignite_zero.storage.formats.dcp_files import write_entries
+from ignite_zero.storage.formats.dcp_plans import Offer, SavePlanning, StagedPart, WrittenPart
 from ignite_zero.storage.places import Place
 from ignite_zero.storage.savers.destination import check_room, package_version, serialized_size
 from ignite_zero.transport.groups import cpu_group, discard_group
@@ -83,8 +85,8 @@ class KeptBetweenSaves:
 
     #: the hosts of the ranks, learnt at the first replicated save
     replica_hosts: replicas_.ReplicaHosts | None = None
-    #: the writer of every asynchronous save, whose host copies are reused
-    async_writer: Any = None
+    #: the host copies of every asynchronous save, reused while the layout holds
+    host_buffers: HostBuffers = field(default_factory=HostBuffers)
     #: whether a save found the directory shared by every rank yet
     seen_by_every_rank: bool = False
     #: DCP's plans of each stream's saves
@@ -118,14 +120,13 @@ class ShardedCommit:
     def _round(self) -> dict[str, Any]:
         return {"timeout": self.timeout, "stream": self.stream, "ranks": self.ranks}
 
-    def prepare(self, state: Mapping[str, Any], cache: bool) -> None:
+    def prepare(self, state: Mapping[str, Any]) -> None:
         """Collective: the writing rank clears what an interrupted save left and makes the directory the ranks write
         into; every rank learns whether the parts of all ranks fit on the disk, and DCP's plans of the save are
         agreed.
 
         Args:
             state: this rank's part, as DCP saves it.
-            cache: whether to write through the saver's asynchronous writer, whose host copies are kept.
         """
         if self.saver.replicas and self.kept.replica_hosts is None:
             self._arrange()
@@ -133,7 +134,7 @@ class ShardedCommit:
         # where the first save leaves its probe: where the ranks write, or beside it for replicas, where every host's
         # first rank clears what interrupted saves left in a directory that may turn out to be one for all
         probed = self.place if self.kept.replica_hosts is not None else target
-        self.writer = self._writer_for(target, cache)
+        self.writer = sharded.writer_for(target, self.saver.thread_count)
         self.writer.written.clear()
         with together(f"preparation of {self.filename}", **self._round()) as preparation:
             offer = self.planning.offer(state, self.writer, self.members, rank_and_world()[0])
@@ -162,15 +163,6 @@ class ShardedCommit:
         self.saver.use_replica_hosts(
             replicas_.replica_hosts_of(self.members, hosts, self.saver.replicas, self.saver.dirname)
         )
-
-    def _writer_for(self, target: Place, cache: bool) -> Any:
-        """This save's DCP writer into ``target``; with ``cache``, the one of every asynchronous save."""
-        if not cache:
-            return sharded.writer_for(target, self.saver.thread_count)
-        if self.kept.async_writer is None:
-            self.kept.async_writer = sharded.writer_for(target, self.saver.thread_count, cache_staged_state_dict=True)
-        self.kept.async_writer.reset(target.location())
-        return self.kept.async_writer
 
     def _open_directory(self, probed: Place) -> tuple[int | None, str | None]:
         """On the writing rank: clear what interrupted saves left, begin the directory, and leave the probe of the
@@ -261,23 +253,25 @@ class ShardedCommit:
         replica_hosts = self.kept.replica_hosts
         return self.replicas_group() if replica_hosts and replica_hosts.replicas and self.relayed is None else None
 
-    def stage(self, state: Mapping[str, Any]) -> Mapping[str, Any] | Exception:
-        """Copy this rank's ``state`` into the writer's host memory: the copy, or the failure to report with the
+    def stage(self) -> StagedPart | Exception:
+        """Copy what this rank writes into the saver's kept host memory: the copy, or the failure to report with the
         writes (no host memory left, say), so that no rank waits for it."""
         self.started = self.started or time.perf_counter()
         try:
-            return self.writer.stage(state)
+            return self.planning.stage(self.kept.host_buffers)
         except Exception as error:
             return error
         finally:
             self.planning.release()  # the write reads the host copies: the state itself may change meanwhile
 
-    def write(self, staged: Mapping[str, Any] | None = None) -> WrittenPart | Exception:
+    def write(self, staged: StagedPart | None = None) -> WrittenPart | Exception:
         """This rank's files, as planned (from ``staged``, its host copy, if given): where each item went, or the
         failure to share in the next round."""
         self.started = self.started or time.perf_counter()
         try:
-            return self.planning.write(self.writer, staged)
+            if staged is None:
+                return self.planning.write(self.writer)
+            return self.planning.write_staged(self.writer, staged, write_entries)
         except Exception as error:
             return error
         finally:

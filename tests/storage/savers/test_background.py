@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training import assert_state_equal, tiny_model, train_step, zero_adam
 
 from ignite_zero import Checkpoint, CollectiveTimeoutError, DiskSaver, RankFailureError, ShardedSaver, verify_file
-from ignite_zero.storage.formats.directory import DirectoryWriter
+from ignite_zero.staging import HostBuffers
 
 pytestmark = pytest.mark.distributed
 
@@ -128,13 +128,13 @@ def _staging_fails_on_one_rank(rank, world_size, dirname):
     engine.state.iteration = 1
     checkpoint(engine)
     checkpoint.wait()
-    stage = DirectoryWriter.stage
+    copy_ = HostBuffers.copy
 
-    def out_of_memory(self, state):
+    def out_of_memory(self, tensors):
         raise RuntimeError("cannot allocate pinned host memory")
 
     if rank == 1:
-        DirectoryWriter.stage = out_of_memory
+        HostBuffers.copy = out_of_memory
     engine.state.iteration = 2
     started = time.monotonic()
     try:
@@ -142,7 +142,7 @@ def _staging_fails_on_one_rank(rank, world_size, dirname):
             checkpoint(engine)
             checkpoint.wait()
     finally:
-        DirectoryWriter.stage = stage
+        HostBuffers.copy = copy_
     elapsed = time.monotonic() - started
     left = sorted(name for name in os.listdir(dirname) if not name.startswith("."))
     engine.state.iteration = 3
