@@ -5,11 +5,12 @@ and name on every rank."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -27,10 +28,11 @@ from ignite_zero.agreement import (
 from ignite_zero.staging import HostBuffers
 from ignite_zero.storage import replicas as replicas_
 from ignite_zero.storage.formats import directory as sharded
-from ignite_zero.storage.formats.dcp_files import write_entries
+from ignite_zero.storage.formats.dcp_files import FileWritten, write_entries
 from ignite_zero.storage.formats.dcp_plans import Offer, SavePlanning, StagedPart, WrittenPart
-from ignite_zero.storage.places import Place
+from ignite_zero.storage.places import LocalPlace, Place
 from ignite_zero.storage.savers.destination import check_room, package_version, serialized_size
+from ignite_zero.storage.savers.write_process import WriteProcess
 from ignite_zero.transport.groups import cpu_group, discard_group
 
 if TYPE_CHECKING:
@@ -87,6 +89,8 @@ class KeptBetweenSaves:
     replica_hosts: replicas_.ReplicaHosts | None = None
     #: the host copies of every asynchronous save, reused while the layout holds
     host_buffers: HostBuffers = field(default_factory=HostBuffers)
+    #: the process that writes asynchronous saves' files from shared host copies
+    write_process: WriteProcess = field(default_factory=WriteProcess)
     #: whether a save found the directory shared by every rank yet
     seen_by_every_rank: bool = False
     #: DCP's plans of each stream's saves
@@ -266,12 +270,19 @@ class ShardedCommit:
 
     def write(self, staged: StagedPart | None = None) -> WrittenPart | Exception:
         """This rank's files, as planned (from ``staged``, its host copy, if given): where each item went, or the
-        failure to share in the next round."""
+        failure to share in the next round.
+
+        A host copy in shared memory bound for a local directory is written by the saver's
+        :class:`~ignite_zero.storage.savers.write_process.WriteProcess`, which leaves this process's interpreter to
+        the training loop."""
         self.started = self.started or time.perf_counter()
         try:
             if staged is None:
                 return self.planning.write(self.writer)
-            return self.planning.write_staged(self.writer, staged, write_entries)
+            write_file: Callable[[Place, str, list[Any]], FileWritten] = write_entries
+            if staged.block is not None and isinstance(self.writer.place, LocalPlace):
+                write_file = functools.partial(self.kept.write_process.write, block=staged.block)
+            return self.planning.write_staged(self.writer, staged, write_file)
         except Exception as error:
             return error
         finally:

@@ -1,0 +1,115 @@
+"""The process that writes asynchronous sharded saves: it writes the very bytes a thread writes, from host copies it
+maps, raises the write's own errors, and a helper that died fails one write and is replaced at the next."""
+
+import os
+import signal
+
+import pytest
+import torch
+from ignite.engine import Engine
+from launcher import run_ranks
+from torch.distributed.fsdp import fully_shard
+
+from ignite_zero import Checkpoint, ShardedSaver
+from ignite_zero.staging import HostBuffers
+from ignite_zero.storage.formats.dcp_files import write_entries
+from ignite_zero.storage.formats.directory import verify
+from ignite_zero.storage.places import LocalPlace
+from ignite_zero.storage.savers.write_process import WriteProcess
+
+
+def _tensors():
+    generator = torch.Generator().manual_seed(0)
+    return [
+        torch.tensor(3.5),  # a scalar, as Adam's step
+        torch.zeros(0, 4),
+        torch.rand(5, 7, generator=generator) > 0.5,
+        torch.randn(3, 9, generator=generator).to(torch.bfloat16),
+        torch.arange(11, dtype=torch.int64),
+        torch.randn(512, 1024, generator=generator),  # 2 MiB: written straight from its memory
+        *(torch.randn(8, 8, generator=generator) for _ in range(1500)),  # small ones, in batches
+        torch.randn(6, 4, generator=generator).t(),  # not contiguous: copied contiguous
+    ]
+
+
+def _place(path):
+    place = LocalPlace(path)
+    place.make()
+    return place
+
+
+class _EndsTheHelper(LocalPlace):
+    """A place whose unpickling ends the process that receives it: the helper dies while it takes a write."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+def test_the_helper_writes_the_bytes_a_thread_writes(tmp_path):
+    buffers = HostBuffers()
+    entries = [b"a value's pickled bytes", *buffers.copy(_tensors()), b"another"]
+    assert buffers.block is not None
+    process = WriteProcess()
+    assert process.pid is None
+    by_helper = process.write(_place(tmp_path / "helper"), "__0_0.distcp", entries, buffers.block)
+    assert process.pid is not None and process.pid != os.getpid()
+    by_thread = write_entries(_place(tmp_path / "thread"), "__0_0.distcp", entries)
+    assert by_helper == by_thread
+    assert (tmp_path / "helper" / "__0_0.distcp").read_bytes() == (tmp_path / "thread" / "__0_0.distcp").read_bytes()
+
+    # the write's own error, raised here; the helper goes on
+    helper = process.pid
+    with pytest.raises(FileNotFoundError):
+        process.write(LocalPlace(tmp_path / "nowhere"), "__0_0.distcp", entries, buffers.block)
+    assert process.pid == helper
+
+    # another layout: another block, which the same helper maps
+    old_block = buffers.block
+    copies = buffers.copy([torch.full((3,), 2.0), torch.ones(2, 2, dtype=torch.float64)])
+    assert buffers.block is not old_block
+    process.write(_place(tmp_path / "again"), "f", copies, buffers.block)
+    assert process.pid == helper
+    write_entries(_place(tmp_path / "reference"), "f", copies)
+    assert (tmp_path / "again" / "f").read_bytes() == (tmp_path / "reference" / "f").read_bytes()
+
+    # a helper that dies in a write fails that write, and the next write starts another
+    with pytest.raises(RuntimeError, match=r"ended \(exit code 3\) while it wrote g.*The next save starts another"):
+        process.write(_EndsTheHelper(tmp_path / "again"), "g", copies, buffers.block)
+    assert process.pid is None
+    process.write(_place(tmp_path / "again"), "h", copies, buffers.block)
+    assert process.pid not in (None, helper)
+    assert (tmp_path / "again" / "h").read_bytes() == (tmp_path / "again" / "f").read_bytes()
+
+
+def _async_saves(rank, world_size, dirname):
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(40))))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    optimizer.step()
+    objects = {"model": model, "optimizer": optimizer}
+    engine = Engine(lambda e, b: None)
+    background = Checkpoint(objects, ShardedSaver(dirname / "async"), n_saved=None, async_save=True)
+    helpers = []
+    for iteration in (1, 2):
+        engine.state.iteration = iteration
+        background(engine)
+        background.wait()
+        helpers.append(background.save_handler.kept.write_process.pid)
+        if rank == 1 and iteration == 1:  # a helper that died between saves is replaced
+            os.kill(helpers[0], signal.SIGKILL)
+            os.waitid(os.P_PID, helpers[0], os.WEXITED | os.WNOWAIT)
+    Checkpoint(objects, ShardedSaver(dirname / "sync"))(engine)
+    return helpers
+
+
+@pytest.mark.distributed
+def test_asynchronous_sharded_saves_are_written_by_a_helper_as_a_synchronous_save(tmp_path):
+    helpers = run_ranks(_async_saves, 2, tmp_path)
+    assert all(pid is not None and pid != os.getpid() for pids in helpers for pid in pids)
+    assert helpers[0][0] == helpers[0][1] and helpers[1][0] != helpers[1][1]
+    for name in ("checkpoint_1.dcp", "checkpoint_2.dcp"):
+        verify(tmp_path / "async" / name)
+    for data in ("__0_0.distcp", "__1_0.distcp"):
+        synchronous = (tmp_path / "sync" / "checkpoint_2.dcp" / data).read_bytes()
+        assert (tmp_path / "async" / "checkpoint_2.dcp" / data).read_bytes() == synchronous
