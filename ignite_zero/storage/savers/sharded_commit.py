@@ -32,7 +32,7 @@ from ignite_zero.storage.formats.dcp_files import FileWritten, write_entries
 from ignite_zero.storage.formats.dcp_plans import Offer, SavePlanning, StagedPart, WrittenPart
 from ignite_zero.storage.places import LocalPlace, Place
 from ignite_zero.storage.savers.destination import check_room, package_version, serialized_size
-from ignite_zero.storage.savers.write_process import WriteProcess
+from ignite_zero.storage.savers.write_process import WriteProcess, worth_a_process
 from ignite_zero.transport.groups import cpu_group, discard_group
 
 if TYPE_CHECKING:
@@ -272,16 +272,21 @@ class ShardedCommit:
         """This rank's files, as planned (from ``staged``, its host copy, if given): where each item went, or the
         failure to share in the next round.
 
-        A host copy in shared memory bound for a local directory is written by the saver's
-        :class:`~ignite_zero.storage.savers.write_process.WriteProcess`, which leaves this process's interpreter to
-        the training loop."""
+        A host copy in shared memory bound for a local directory, and large enough for the writing to slow the
+        training loop, is written by the saver's :class:`~ignite_zero.storage.savers.write_process.WriteProcess`, which
+        leaves this process's interpreter to the loop."""
         self.started = self.started or time.perf_counter()
         try:
             if staged is None:
                 return self.planning.write(self.writer)
             write_file: Callable[[Place, str, list[Any]], FileWritten] = write_entries
-            if staged.block is not None and isinstance(self.writer.place, LocalPlace):
-                write_file = functools.partial(self.kept.write_process.write, block=staged.block)
+            block = staged.block
+            if (
+                block is not None
+                and isinstance(self.writer.place, LocalPlace)
+                and worth_a_process(staged.values, block)
+            ):
+                write_file = functools.partial(self.kept.write_process.write, block=block)
             return self.planning.write_staged(self.writer, staged, write_file)
         except Exception as error:
             return error

@@ -83,7 +83,8 @@ def test_the_helper_writes_the_bytes_a_thread_writes(tmp_path):
 
 def _async_saves(rank, world_size, dirname):
     torch.manual_seed(0)
-    model = fully_shard(torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(40))))
+    # 50 units: about 350 entries a rank, enough for the helper (a smaller part is written by a thread)
+    model = fully_shard(torch.nn.Sequential(*(fully_shard(torch.nn.Linear(16, 16)) for _ in range(50))))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).sum().backward()
     optimizer.step()
@@ -100,6 +101,11 @@ def _async_saves(rank, world_size, dirname):
             os.kill(helpers[0], signal.SIGKILL)
             os.waitid(os.P_PID, helpers[0], os.WEXITED | os.WNOWAIT)
     Checkpoint(objects, ShardedSaver(dirname / "sync"))(engine)
+    # a small part is written by a thread in milliseconds: no helper for it
+    small = Checkpoint({"head": torch.nn.Linear(4, 4)}, ShardedSaver(dirname / "small"), async_save=True)
+    small(engine)
+    small.wait()
+    assert small.save_handler.kept.write_process.pid is None
     return helpers
 
 
