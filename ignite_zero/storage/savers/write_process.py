@@ -10,12 +10,14 @@ copies (a :class:`~ignite_zero.staging.SharedBlock`) and writes each file from t
 waits on a socket without holding the interpreter.
 
 The helper is a new interpreter (not a fork of a process with CUDA and process groups) that runs this module. It
-ignores the terminal's signals and exits when its socket closes, as it does when its parent exits. If it dies, the
-save it was writing fails like any failed write, on every rank, and the next save starts another.
+ignores signals (a job's scheduler signals every process of the job) and exits when its socket closes, as it does
+when its parent exits. If it dies, the thread writes the file it was to write from the same host copies, and the next
+save starts another helper; if none can start here, threads write every file, as they do without a helper.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import pickle
@@ -37,6 +39,8 @@ from ignite_zero.storage.formats.dcp_files import FileWritten, write_entries
 from ignite_zero.storage.places import Place
 
 __all__ = ["PROCESS_BYTES", "PROCESS_ENTRIES", "WriteProcess", "serve", "worth_a_process"]
+
+logger = logging.getLogger(__name__)
 
 #: A rank's part of a save with at least this many entries, or this many bytes, is written by its helper: below both,
 #: a thread writes it in milliseconds, less than the helper costs (a new interpreter: about 3 s of a core to start,
@@ -63,6 +67,8 @@ class WriteProcess:
         self._process: subprocess.Popen[bytes] | None = None
         self._socket: socket.socket | None = None
         self._mapped: str | None = None  # the token of the block the helper maps
+        self._answered = False  # whether the helper now running wrote a file
+        self._unavailable: str | None = None  # why no helper can run here, once one failed before its first file
         self._lock = threading.Lock()  # one file at a time: the files of a save by several threads take turns
 
     @property
@@ -75,29 +81,45 @@ class WriteProcess:
         """Write the file ``name`` of ``place`` in the helper, as :func:`write_entries` would: each of ``entries`` a
         value's bytes or a tensor of ``block``.
 
+        A helper that ends before it answers (killed, out of memory) leaves the file to this thread, from the same
+        host copies, with a warning; the next call starts another. One that could not write a first file (no
+        interpreter to start, say) leaves every later file to the calling thread too.
+
         Raises:
-            RuntimeError: the helper ended (killed, out of memory), naming its exit code; the next call starts
-                another.
             Exception: what the write raised in the helper (``OSError`` for a full disk, say).
         """
         described = [block.where(entry) if isinstance(entry, torch.Tensor) else bytes(entry) for entry in entries]
         with self._lock:
-            try:
-                connection = self._connection()
-                if self._mapped != block.token:
-                    _send(connection, _BLOCK, (block.token, block.size), fds=[block.fd])
-                    self._mapped = block.token
-                _send(connection, _WRITE, (block.token, place, name, described))
-                kind, answer = _receive(connection)
-            except (OSError, EOFError) as error:
-                code = self._stop()
-                raise RuntimeError(
-                    f"The process that writes asynchronous saves ended (exit code {code}) while it wrote {name}: "
-                    f"{error or 'its connection closed'}. The next save starts another."
-                ) from error
-        if kind == _FAILED:
-            raise answer
-        return FileWritten(*answer)
+            if self._unavailable is None:
+                try:
+                    kind, answer = self._ask(block, (block.token, place, name, described))
+                except (OSError, EOFError) as error:
+                    self._failed(name, error)
+                else:
+                    if kind == _FAILED:
+                        raise answer
+                    return FileWritten(*answer)
+        return write_entries(place, name, entries)
+
+    def _ask(self, block: SharedBlock, job: tuple[Any, ...]) -> tuple[bytes, Any]:
+        """Send ``job`` to the helper (and ``block`` first, where it maps another); its answer."""
+        connection = self._connection()
+        if self._mapped != block.token:
+            _send(connection, _BLOCK, (block.token, block.size), fds=[block.fd])
+            self._mapped = block.token
+        _send(connection, _WRITE, job)
+        answer = _receive(connection)
+        self._answered = True
+        return answer
+
+    def _failed(self, name: str, error: BaseException) -> None:
+        answered, code = self._answered, self._stop()
+        what = f"The process that writes asynchronous saves ended (exit code {code}) while it was to write {name}"
+        if answered:
+            logger.warning("%s (%s); this thread writes it, and the next save starts another", what, error)
+        else:
+            self._unavailable = f"{what}, its first file ({error})"
+            logger.warning("%s; this process's threads write every file of its saves", self._unavailable)
 
     def _connection(self) -> socket.socket:
         if self._socket is not None and self._process is not None and self._process.poll() is None:
@@ -121,7 +143,7 @@ class WriteProcess:
             raise
         finally:
             theirs.close()
-        self._socket, self._mapped = ours, None
+        self._socket, self._mapped, self._answered = ours, None, False
         weakref.finalize(self, _close, ours, self._process)
         return ours
 
@@ -186,7 +208,8 @@ def _receive_with_fds(connection: socket.socket) -> tuple[bytes, Any, list[int]]
 def serve(fd: int) -> None:
     """The helper's loop: map each block it is sent, write each file it is asked for, answer with what was written or
     the error; return when the connection closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # its parent decides when it ends, by closing the connection
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, signal.SIG_IGN)  # its parent decides when it ends, by closing the connection
     torch.set_num_threads(1)
     connection = socket.socket(fileno=fd)
     blocks: dict[str, mmap.mmap] = {}
