@@ -227,9 +227,9 @@ class HostBuffers:
     """Host copies of the tensors of an asynchronous save, kept for the next save while the tensors keep their shapes
     and dtypes (a steady run allocates nothing after its first save).
 
-    Copies of CPU tensors lie in one :class:`SharedBlock` where the platform has ``memfd`` (Linux), so that another
-    process can write them out without copying them again; copies of accelerator tensors are pinned, for copies at
-    full bandwidth, and only this process reads them.
+    Copies of a part of CPU tensors lie in one :class:`SharedBlock` where the system makes one (``memfd``, Linux), so
+    that another process can write them out without copying them again; a part that holds any accelerator tensor is
+    copied into pinned buffers, for copies at full bandwidth, which only this process reads.
     """
 
     def __init__(self) -> None:
@@ -243,7 +243,7 @@ class HostBuffers:
         accelerated = any(tensor.device.type != "cpu" for tensor in tensors)
         layout = ([(tensor.shape, tensor.dtype) for tensor in tensors], accelerated)
         if layout != self._kept:
-            self._buffers, self._kept = [], None  # the old buffers go before the new ones are made
+            self._buffers, self.block, self._kept = [], None, None  # the old buffers go before the new ones are made
             self._buffers, self.block = self._allocate(tensors, accelerated)
             self._kept = layout
         for buffer, tensor in zip(self._buffers, tensors):
@@ -254,13 +254,17 @@ class HostBuffers:
 
     @staticmethod
     def _allocate(tensors: Sequence[torch.Tensor], accelerated: bool) -> tuple[list[torch.Tensor], SharedBlock | None]:
-        if accelerated or not hasattr(os, "memfd_create"):
-            pin = accelerated and torch.cuda.is_available()
-            return [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors], None
-        places, size = [], 0
-        for tensor in tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            places.append(SharedTensor(size, nbytes, tensor.dtype, tuple(tensor.shape)))
-            size += -(-nbytes // _ALIGNMENT) * _ALIGNMENT
-        block = SharedBlock(size)
-        return [shared_tensor(block.map, where) for where in places], block
+        if not accelerated and hasattr(os, "memfd_create"):
+            places, size = [], 0
+            for tensor in tensors:
+                nbytes = tensor.numel() * tensor.element_size()
+                places.append(SharedTensor(size, nbytes, tensor.dtype, tuple(tensor.shape)))
+                size += -(-nbytes // _ALIGNMENT) * _ALIGNMENT
+            try:
+                block = SharedBlock(size)
+            except OSError:  # a kernel without memfd_create (before 3.17), or a sandbox refusing it: private copies
+                pass
+            else:
+                return [shared_tensor(block.map, where) for where in places], block
+        pin = accelerated and torch.cuda.is_available()
+        return [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors], None

@@ -208,8 +208,12 @@ def param_names(module: nn.Module) -> set[str]:
 @torch.no_grad()
 def sharded_model_state(module: nn.Module) -> dict[str, Any]:
     """This rank's shards (DTensor views), buffers and extra state, by the unwrapped module's names, as torch's
-    ``get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))`` gives them."""
-    return {clean_name(name): value for name, value in module.state_dict().items()}
+    ``get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))`` gives them, in its order: the
+    entries under a wrapper's segment (a compiled or checkpointed part) move to the end, as it renames them."""
+    named = [(clean_name(name), name, value) for name, value in module.state_dict().items()]
+    state = {name: value for name, raw, value in named if name == raw}
+    state.update((name, value) for name, raw, value in named if name != raw)
+    return state
 
 
 @torch.no_grad()

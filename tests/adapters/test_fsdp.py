@@ -385,11 +385,14 @@ def _layouts(rank: int, world_size: int) -> None:
         if rank == 1:
             assert [len(group["params"]) for group in saved["optimizer"]["param_groups"]] == [3, 13]
 
-    # torch.compile's wrapper adds a segment to every name under it (nothing is compiled: the model is not called)
+    # torch.compile's wrapper adds a segment to every name under it, of the whole model or of a part, whose entries
+    # torch's state dict then moves to the end (nothing is compiled: the model is not called)
     model = _wrap(Net(), "fsdp2")
     optimizer = _two_groups(model)
     train_same_batches(model, optimizer, range(1))
     _sharded_like_torch(torch.compile(model), optimizer)
+    model.blocks[1] = torch.compile(model.blocks[1])
+    _sharded_like_torch(model, optimizer)
 
     def columns(param: nn.Parameter) -> Shard | None:
         return Shard(1) if param.dim() == 2 and param.shape[1] % world_size == 0 else None

@@ -87,8 +87,9 @@ class KeptBetweenSaves:
 
     #: the hosts of the ranks, learnt at the first replicated save
     replica_hosts: replicas_.ReplicaHosts | None = None
-    #: the host copies of every asynchronous save, reused while the layout holds
-    host_buffers: HostBuffers = field(default_factory=HostBuffers)
+    #: the host copies of each stream's asynchronous saves, reused while the layout holds (two handlers of one saver,
+    #: each with its own stream, may have saves in flight at once)
+    host_buffers: dict[str, HostBuffers] = field(default_factory=dict)
     #: the process that writes asynchronous saves' files from shared host copies
     write_process: WriteProcess = field(default_factory=WriteProcess)
     #: whether a save found the directory shared by every rank yet
@@ -262,7 +263,7 @@ class ShardedCommit:
         writes (no host memory left, say), so that no rank waits for it."""
         self.started = self.started or time.perf_counter()
         try:
-            return self.planning.stage(self.kept.host_buffers)
+            return self.planning.stage(self.kept.host_buffers.setdefault(self.stream, HostBuffers()))
         except Exception as error:
             return error
         finally:

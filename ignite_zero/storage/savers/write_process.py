@@ -17,6 +17,7 @@ save starts another helper; if none can start here, threads write every file, as
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
@@ -36,7 +37,7 @@ import torch
 
 from ignite_zero.staging import SharedBlock, SharedTensor, shared_tensor
 from ignite_zero.storage.formats.dcp_files import FileWritten, write_entries
-from ignite_zero.storage.places import Place
+from ignite_zero.storage.places import LocalPlace, Place
 
 __all__ = ["PROCESS_BYTES", "PROCESS_ENTRIES", "WriteProcess", "serve", "worth_a_process"]
 
@@ -50,7 +51,7 @@ PROCESS_ENTRIES, PROCESS_BYTES = 256, 64 << 20
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 # A message: its kind and the length of the pickle that follows.
 _HEADER = struct.Struct("<cQ")
-_BLOCK, _WRITE, _DONE, _FAILED = b"B", b"W", b"D", b"F"
+_WRITE, _DONE, _FAILED = b"W", b"D", b"F"
 
 
 def worth_a_process(entries: Sequence[Any], block: SharedBlock) -> bool:
@@ -61,38 +62,39 @@ def worth_a_process(entries: Sequence[Any], block: SharedBlock) -> bool:
 
 class WriteProcess:
     """A helper process that writes files of entries whose tensors lie in shared blocks; started by the first write,
-    and again by the first write after it ended."""
+    and again by the first write after it ended. Each :class:`~ignite_zero.ShardedSaver` of a rank keeps one."""
 
     def __init__(self) -> None:
-        self._process: subprocess.Popen[bytes] | None = None
-        self._socket: socket.socket | None = None
-        self._mapped: str | None = None  # the token of the block the helper maps
-        self._answered = False  # whether the helper now running wrote a file
-        self._unavailable: str | None = None  # why no helper can run here, once one failed before its first file
+        self._helper: _Helper | None = None
+        self._answered = False  # whether any helper of this one wrote a file
+        self._unavailable: str | None = None  # why no helper can run here, once the first one failed its first file
         self._lock = threading.Lock()  # one file at a time: the files of a save by several threads take turns
+        _every_process.add(self)
 
     @property
     def pid(self) -> int | None:
         """The helper's process id while it runs; ``None`` before the first write and after it ended."""
-        process = self._process
-        return process.pid if process is not None and process.poll() is None else None
+        helper = self._helper
+        return helper.process.pid if helper is not None and helper.process.poll() is None else None
 
     def write(self, place: Place, name: str, entries: list[Any], block: SharedBlock) -> FileWritten:
         """Write the file ``name`` of ``place`` in the helper, as :func:`write_entries` would: each of ``entries`` a
         value's bytes or a tensor of ``block``.
 
         A helper that ends before it answers (killed, out of memory) leaves the file to this thread, from the same
-        host copies, with a warning; the next call starts another. One that could not write a first file (no
-        interpreter to start, say) leaves every later file to the calling thread too.
+        host copies, with a warning; the next call starts another. Where the first helper could not write a first
+        file (no interpreter to start, say), every later file is left to the calling thread too.
 
         Raises:
             Exception: what the write raised in the helper (``OSError`` for a full disk, say).
         """
-        described = [block.where(entry) if isinstance(entry, torch.Tensor) else bytes(entry) for entry in entries]
+        if isinstance(place, LocalPlace) and not place.path.is_absolute():  # the helper has its own working directory
+            place = LocalPlace(place.path.absolute())
         with self._lock:
             if self._unavailable is None:
+                described = [block.where(e) if isinstance(e, torch.Tensor) else bytes(e) for e in entries]
                 try:
-                    kind, answer = self._ask(block, (block.token, place, name, described))
+                    kind, answer = self._ask(block, (place, name, described))
                 except (OSError, EOFError) as error:
                     self._failed(name, error)
                 else:
@@ -102,40 +104,67 @@ class WriteProcess:
         return write_entries(place, name, entries)
 
     def _ask(self, block: SharedBlock, job: tuple[Any, ...]) -> tuple[bytes, Any]:
-        """Send ``job`` to the helper (and ``block`` first, where it maps another); its answer."""
-        connection = self._connection()
-        if self._mapped != block.token:
-            _send(connection, _BLOCK, (block.token, block.size), fds=[block.fd])
-            self._mapped = block.token
-        _send(connection, _WRITE, job)
-        answer = _receive(connection)
+        """Send ``job`` to the helper with ``block``'s descriptor (it maps the block for the job alone); its answer."""
+        helper = self._helper
+        if helper is None or helper.process.poll() is not None:
+            self.close()
+            helper = self._helper = _Helper.start()
+        _send(helper.connection, _WRITE, job, fds=[block.fd])
+        answer = _receive(helper.connection)
         self._answered = True
         return answer
 
     def _failed(self, name: str, error: BaseException) -> None:
-        answered, code = self._answered, self._stop()
+        code = self.close()
         what = f"The process that writes asynchronous saves ended (exit code {code}) while it was to write {name}"
-        if answered:
+        if self._answered:
             logger.warning("%s (%s); this thread writes it, and the next save starts another", what, error)
         else:
             self._unavailable = f"{what}, its first file ({error})"
             logger.warning("%s; this process's threads write every file of its saves", self._unavailable)
 
-    def _connection(self) -> socket.socket:
-        if self._socket is not None and self._process is not None and self._process.poll() is None:
-            return self._socket
-        self._stop()
+    def close(self) -> int | None:
+        """End the helper now (it exits when its connection closes, or is killed 10 s later); its exit code, ``None``
+        if none ran. The next write starts another."""
+        helper, self._helper = self._helper, None
+        if helper is None:
+            return None
+        helper.close()
+        return helper.process.returncode
+
+    def _forget_in_forked_child(self) -> None:
+        """In a child forked from this process: let go of the parent's helper, which only the parent may talk to."""
+        self._lock = threading.Lock()  # another thread of the parent may have held it at the fork
+        helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.close.detach()
+            helper.connection.close()
+
+
+class _Helper:
+    """A running helper: its process and the connection to it, closed (and the process waited for) once."""
+
+    def __init__(self, process: subprocess.Popen[bytes], connection: socket.socket) -> None:
+        self.process, self.connection = process, connection
+        self.close = weakref.finalize(self, _close, connection, process)
+
+    @classmethod
+    def start(cls) -> _Helper:
+        if not sys.executable:
+            raise OSError("no Python interpreter to start: sys.executable is empty")
         ours, theirs = socket.socketpair()
+        # This very ignite_zero first, then this process's path, whatever put its entries there; in isolated mode
+        # (-I) so that the working directory and the environment add nothing before the path is set.
+        paths = [_PACKAGE_ROOT, *(path or os.getcwd() for path in sys.path)]
+        code = (
+            "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+            "from ignite_zero.storage.savers.write_process import serve; serve(int(sys.argv[2]))"
+        )
         try:
-            # This very ignite_zero, and the torch of this process's path, whatever put them there.
-            paths = [_PACKAGE_ROOT, *(path or os.getcwd() for path in sys.path)]
-            environment = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-            code = f"from ignite_zero.storage.savers.write_process import serve; serve({theirs.fileno()})"
-            self._process = subprocess.Popen(
-                [sys.executable, "-c", code],
+            process = subprocess.Popen(
+                [sys.executable, "-I", "-c", code, json.dumps(paths), str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
-                env=environment,
                 start_new_session=True,  # a Ctrl-C in the terminal goes to the training process alone
             )
         except BaseException:
@@ -143,23 +172,7 @@ class WriteProcess:
             raise
         finally:
             theirs.close()
-        self._socket, self._mapped, self._answered = ours, None, False
-        weakref.finalize(self, _close, ours, self._process)
-        return ours
-
-    def _stop(self) -> int | None:
-        """Close the connection (the helper exits when it sees it closed); the helper's exit code, if it ended."""
-        process, connection = self._process, self._socket
-        self._process, self._socket, self._mapped = None, None, None
-        if connection is not None:
-            connection.close()
-        if process is None:
-            return None
-        try:
-            return process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            return process.wait()
+        return cls(process, ours)
 
 
 def _close(connection: socket.socket, process: subprocess.Popen[bytes]) -> None:
@@ -168,15 +181,27 @@ def _close(connection: socket.socket, process: subprocess.Popen[bytes]) -> None:
         process.wait(timeout=10)
     except subprocess.TimeoutExpired:
         process.kill()
+        process.wait()
+
+
+# Every WriteProcess of this process: a child forked from it (a data loader's worker) closes their connections, or
+# their helpers would wait for the child too before they see their parent gone.
+_every_process: weakref.WeakSet[WriteProcess] = weakref.WeakSet()
+
+
+def _forget_helpers_in_child() -> None:
+    for process in list(_every_process):
+        process._forget_in_forked_child()
+
+
+os.register_at_fork(after_in_child=_forget_helpers_in_child)
 
 
 def _send(connection: socket.socket, kind: bytes, payload: Any, fds: list[int] | None = None) -> None:
     data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
     header = _HEADER.pack(kind, len(data))
-    if fds:
-        socket.send_fds(connection, [header], fds)  # the descriptors travel with the header, a few bytes
-    else:
-        connection.sendall(header)
+    sent = socket.send_fds(connection, [header], fds) if fds else 0  # the descriptors travel with the header
+    connection.sendall(header[sent:])
     connection.sendall(data)
 
 
@@ -206,33 +231,33 @@ def _receive_with_fds(connection: socket.socket) -> tuple[bytes, Any, list[int]]
 
 
 def serve(fd: int) -> None:
-    """The helper's loop: map each block it is sent, write each file it is asked for, answer with what was written or
-    the error; return when the connection closes."""
+    """The helper's loop: write each file it is asked for, from the block whose descriptor comes with the request
+    (mapped for that file alone), and answer with what was written or the error; return when the connection closes."""
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(number, signal.SIG_IGN)  # its parent decides when it ends, by closing the connection
     torch.set_num_threads(1)
     connection = socket.socket(fileno=fd)
-    blocks: dict[str, mmap.mmap] = {}
     while True:
         try:
-            kind, payload, fds = _receive_with_fds(connection)
+            _, (place, name, described), fds = _receive_with_fds(connection)
         except EOFError:
             return
-        if kind == _BLOCK:
-            token, size = payload
-            blocks = {token: mmap.mmap(fds[0], size)}  # a save's block replaces the last one
-            os.close(fds[0])
-            continue
-        token, place, name, described = payload
         try:
-            entries = [shared_tensor(blocks[token], e) if isinstance(e, SharedTensor) else e for e in described]
-            written = write_entries(place, name, entries)
-            del entries
-            _send(connection, _DONE, tuple(written))
+            answer: tuple[bytes, Any] = (_DONE, tuple(_write_from(fds[0], place, name, described)))
         except Exception as error:
             try:
-                answer = pickle.dumps(error)
-                pickle.loads(answer)
+                pickle.loads(pickle.dumps(error))
             except Exception:  # an error that does not travel: its text does
                 error = RuntimeError(f"{type(error).__name__}: {error}")
-            _send(connection, _FAILED, error)
+            answer = (_FAILED, error.with_traceback(None))  # and the frames that hold the block go
+        _send(connection, *answer)
+
+
+def _write_from(fd: int, place: Place, name: str, described: list[Any]) -> FileWritten:
+    """Write the file ``name`` of ``place`` from the block of descriptor ``fd``, mapped for this file alone."""
+    try:
+        block = mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+    entries = [shared_tensor(block, entry) if isinstance(entry, SharedTensor) else entry for entry in described]
+    return write_entries(place, name, entries)

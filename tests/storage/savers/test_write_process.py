@@ -2,10 +2,12 @@
 maps, raises the write's own errors; a file whose helper died is written by the thread, and the next write starts
 another helper; where none can start, threads write every file."""
 
+import errno
 import logging
 import os
 import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -142,3 +144,37 @@ def test_asynchronous_sharded_saves_are_written_by_a_helper_as_a_synchronous_sav
     for data in ("__0_0.distcp", "__1_0.distcp"):
         synchronous = (tmp_path / "sync" / "checkpoint_2.dcp" / data).read_bytes()
         assert (tmp_path / "async" / "checkpoint_2.dcp" / data).read_bytes() == synchronous
+
+
+def test_where_the_system_makes_no_memfd_the_copies_are_private(monkeypatch):
+    def refused(*args):
+        raise OSError(errno.ENOSYS, "Function not implemented")  # a kernel before 3.17, or a sandbox
+
+    monkeypatch.setattr(os, "memfd_create", refused)
+    buffers = HostBuffers()
+    tensors = [torch.arange(5.0), torch.ones(2, 3, dtype=torch.int8)]
+    copies = buffers.copy(tensors)
+    assert buffers.block is None
+    assert all(torch.equal(copy, tensor) for copy, tensor in zip(copies, tensors))
+
+
+def test_a_forked_child_leaves_the_helper_to_its_parent(tmp_path):
+    """A data loader's worker forked after the helper started holds no end of its connection: the helper ends when
+    its parent lets it go, not when the worker does."""
+    buffers = HostBuffers()
+    copies = buffers.copy([torch.arange(4.0)])
+    process = WriteProcess()
+    process.write(_place(tmp_path), "f", copies, buffers.block)
+    helper = process.pid
+    child = os.fork()
+    if child == 0:  # the worker: outlives the helper's parent's hold on it
+        time.sleep(30)
+        os._exit(0)
+    try:
+        started = time.monotonic()
+        assert process.close() == 0  # it saw its connection closed and exited: not killed after a wait
+        assert time.monotonic() - started < 5
+        assert helper is not None and process.pid is None
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
