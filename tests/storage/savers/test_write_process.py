@@ -1,6 +1,6 @@
 """The process that writes asynchronous sharded saves: it writes the very bytes a thread writes, from host copies it
-maps, raises the write's own errors; a file whose helper died is written by the thread, and the next write starts
-another helper; where none can start, threads write every file."""
+maps, raises the write's own errors and ends with its parent (not with a forked child); a file whose helper died is
+written by the thread, and the next write starts another helper; where none can start, threads write every file."""
 
 import errno
 import logging
@@ -77,6 +77,22 @@ def test_the_helper_writes_the_bytes_a_thread_writes(tmp_path, caplog):
     write_entries(_place(tmp_path / "reference"), "f", copies)
     assert (tmp_path / "again" / "f").read_bytes() == (tmp_path / "reference" / "f").read_bytes()
 
+    # a data loader's worker forked now holds no end of the helper's connection: the helper ends when its parent
+    # lets it go (it exits, rather than being killed after a wait), not when the worker does
+    child = os.fork()
+    if child == 0:
+        time.sleep(30)
+        os._exit(0)
+    try:
+        started = time.monotonic()
+        assert process.close() == 0 and time.monotonic() - started < 5
+        assert process.pid is None
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    process.write(_place(tmp_path / "again"), "f2", copies, buffers.block)
+    helper = process.pid
+
     # a helper that dies in a write leaves that file to the thread, and the next write starts another
     with caplog.at_level(logging.WARNING, logger="ignite_zero.storage.savers.write_process"):
         process.write(_EndsTheHelper(tmp_path / "again"), "g", copies, buffers.block)
@@ -108,8 +124,8 @@ def test_where_no_helper_can_start_threads_write_every_file(tmp_path, monkeypatc
 
 def _async_saves(rank, world_size, dirname):
     torch.manual_seed(0)
-    # 50 units: about 350 entries a rank, enough for the helper (a smaller part is written by a thread)
-    model = fully_shard(torch.nn.Sequential(*(fully_shard(torch.nn.Linear(16, 16)) for _ in range(50))))
+    # 50 layers in one unit: about 350 entries a rank, enough for the helper (a smaller part is written by a thread)
+    model = fully_shard(torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(50))))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).sum().backward()
     optimizer.step()
@@ -156,25 +172,3 @@ def test_where_the_system_makes_no_memfd_the_copies_are_private(monkeypatch):
     copies = buffers.copy(tensors)
     assert buffers.block is None
     assert all(torch.equal(copy, tensor) for copy, tensor in zip(copies, tensors))
-
-
-def test_a_forked_child_leaves_the_helper_to_its_parent(tmp_path):
-    """A data loader's worker forked after the helper started holds no end of its connection: the helper ends when
-    its parent lets it go, not when the worker does."""
-    buffers = HostBuffers()
-    copies = buffers.copy([torch.arange(4.0)])
-    process = WriteProcess()
-    process.write(_place(tmp_path), "f", copies, buffers.block)
-    helper = process.pid
-    child = os.fork()
-    if child == 0:  # the worker: outlives the helper's parent's hold on it
-        time.sleep(30)
-        os._exit(0)
-    try:
-        started = time.monotonic()
-        assert process.close() == 0  # it saw its connection closed and exited: not killed after a wait
-        assert time.monotonic() - started < 5
-        assert helper is not None and process.pid is None
-    finally:
-        os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
