@@ -3,9 +3,9 @@ training loop's interpreter alone.
 
 A thread that writes a save in the training process holds the interpreter for everything it does in Python: the
 records and checksums of every entry, thousands of them in a state of many small tensors. A loop bound by Python (as
-a GPU loop's host thread is) slows down by as much while the save runs. So each rank keeps a helper process, started
-at its first asynchronous save large enough to slow the loop (:func:`worth_a_process`), which maps the save's host
-copies (a :class:`~ignite_zero.staging.SharedBlock`) and writes each file from them with
+a GPU loop's host thread is) slows down by as much while the save runs. So each saver of a rank keeps a helper
+process, started at its first asynchronous save large enough to slow the loop (:func:`worth_a_process`), which maps the
+save's host copies (a :class:`~ignite_zero.staging.SharedBlock`) and writes each file from them with
 :func:`~ignite_zero.storage.formats.dcp_files.write_entries`, the code a thread would run, while the saving thread
 waits on a socket without holding the interpreter.
 
