@@ -210,6 +210,23 @@ class SharedBlock:
         weakref.finalize(self, os.close, self.fd)  # the mapping itself lives as long as the tensors made in it
         self._base = torch.frombuffer(self.map, dtype=torch.uint8).data_ptr()
 
+    def page_lock(self) -> None:
+        """Page-lock the block for CUDA, as pinned memory is, so that copies from a device into it run asynchronously
+        at full bandwidth; undone when the block goes (the mapping outlives it).
+
+        Raises:
+            RuntimeError: CUDA refused (no page-locked memory left, say).
+        """
+        cudart = torch.cuda.cudart()
+        error = int(cudart.cudaHostRegister(self._base, self.size, 0))
+        if error:
+            raise RuntimeError(
+                f"CUDA could not page-lock the {self.size} bytes of host memory that stage this rank's device tensors "
+                f"for an asynchronous save (cudaHostRegister: error {error}): free host memory, or save synchronously "
+                "(async_save=False)"
+            )
+        weakref.finalize(self, cudart.cudaHostUnregister, self._base)
+
     def where(self, tensor: torch.Tensor) -> SharedTensor:
         """Where ``tensor``, one made in this block, lies in it."""
         return SharedTensor(tensor.data_ptr() - self._base, tensor.nbytes, tensor.dtype, tuple(tensor.shape))
@@ -227,9 +244,10 @@ class HostBuffers:
     """Host copies of the tensors of an asynchronous save, kept for the next save while the tensors keep their shapes
     and dtypes (a steady run allocates nothing after its first save).
 
-    Copies of a part of CPU tensors lie in one :class:`SharedBlock` where the system makes one (``memfd``, Linux), so
-    that another process can write them out without copying them again; a part that holds any accelerator tensor is
-    copied into pinned buffers, for copies at full bandwidth, which only this process reads.
+    The copies of a part lie in one :class:`SharedBlock` where the system makes one (``memfd``, Linux), so that
+    another process can write them out without copying them again; where the part holds CUDA tensors, the block is
+    page-locked, as pinned memory is, for copies at full bandwidth. Elsewhere they are private buffers (pinned for
+    CUDA tensors), which only this process reads.
     """
 
     def __init__(self) -> None:
@@ -254,7 +272,8 @@ class HostBuffers:
 
     @staticmethod
     def _allocate(tensors: Sequence[torch.Tensor], accelerated: bool) -> tuple[list[torch.Tensor], SharedBlock | None]:
-        if not accelerated and hasattr(os, "memfd_create"):
+        pin = accelerated and torch.cuda.is_available()
+        if hasattr(os, "memfd_create"):
             places, size = [], 0
             for tensor in tensors:
                 nbytes = tensor.numel() * tensor.element_size()
@@ -265,6 +284,7 @@ class HostBuffers:
             except OSError:  # a kernel without memfd_create (before 3.17), or a sandbox refusing it: private copies
                 pass
             else:
+                if pin:
+                    block.page_lock()
                 return [shared_tensor(block.map, where) for where in places], block
-        pin = accelerated and torch.cuda.is_available()
         return [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors], None
