@@ -17,12 +17,15 @@ mesh: placements ``(Replicate(), Shard(0))``, CUDA DTensors), a model and its un
   optimizer that has state grows GPU memory by less than the same bound;
 - sharded: a ``ShardedSaver`` checkpoint of the trained model and optimizer (device tensors copied into pinned
   memory, each one's copy overlapping the write of the one before) loads into a fresh model and optimizer exactly;
-  the line gives the seconds of the second save.
+  the line gives the seconds of the second save;
+- async: an asynchronous sharded save (its host copies in a shared block, page-locked for CUDA, written by the
+  saver's helper process) holds the state at the moment of the call while the model trains on, and loads exactly;
+  the line gives the seconds the second one blocked.
 
 fairscale's ``FullyShardedDataParallel`` (plain, nested units, ``flatten_parameters=False``, ``mixed_precision``,
 ``move_params_to_cpu``) runs in 2 processes that share the GPU over gloo (NCCL refuses two ranks on one device),
 and goes through ``ignite_zero.Checkpoint``: the file, written by rank 1, holds plain CPU tensors close to the
-twin's state (in norm with ``mixed_precision``, whose fp16 gradients round a few elements far apart; the same
+twin's state (within 25% in norm with ``mixed_precision``, whose fp16 gradients send Adam's steps apart; the same
 format as FSDP1's); the save grows GPU memory on each rank by less than the bound above;
 ``Checkpoint.load_objects`` into a fresh fairscale model on both ranks gathers back exactly, loading again grows
 GPU memory by less than the bound, and the model trains on bitwise equal to the uninterrupted one; the file loads
@@ -177,19 +180,23 @@ def _assert_same(actual: dict[str, Any], expected: dict[str, Any]) -> None:
     assert actual["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"], "parameter groups differ"
 
 
-def _assert_near(actual: Any, expected: Any, relative: float, path: str = "state") -> None:
+def _assert_near(actual: Any, expected: Any, relative: float, path: str = "state") -> float:
     """Every tensor of ``actual`` (nested dicts) within ``relative`` of ``expected``'s in norm: close to the twin as a
-    whole, where a few elements may differ, and far from another rank's part, zeros or a stale state."""
+    whole, where a few elements may differ, and far from another rank's part or zeros (an error of 1 or more).
+    Returns the largest error."""
     if isinstance(expected, dict):
         assert actual.keys() == expected.keys(), f"{path}: keys {sorted(actual)} differ from {sorted(expected)}"
-        for key, value in expected.items():
-            _assert_near(actual[key], value, relative, f"{path}[{key!r}]")
-    elif isinstance(expected, torch.Tensor):
+        return max(
+            (_assert_near(actual[key], value, relative, f"{path}[{key!r}]") for key, value in expected.items()),
+            default=0.0,
+        )
+    if isinstance(expected, torch.Tensor):
         expected = expected.to("cpu", torch.float64)
         error = float((actual.to("cpu", torch.float64) - expected).norm() / expected.norm().clamp_min(1e-12))
         assert error <= relative, f"{path}: relative error {error:.2e} from the twin's (at most {relative})"
-    else:
-        assert actual == expected, f"{path}: {actual!r} differs from the twin's {expected!r}"
+        return error
+    assert actual == expected, f"{path}: {actual!r} differs from the twin's {expected!r}"
+    return 0.0
 
 
 @contextmanager
@@ -249,10 +256,11 @@ def _check(name: str, device: torch.device) -> str:
     _train(fresh, fresh_optimizer, range(3, 5), device)
     _assert_same(_gather(fresh, fresh_optimizer), _gather(model, optimizer))
     sharded_seconds = _check_sharded(shard, offloaded, model, optimizer, device)
+    blocked_seconds = _check_async(shard, offloaded, model, optimizer, device)
     return (
         f"GPU growth: save {save_growth[0] / MiB:.1f} MiB, load {load_growth[0] / MiB:.1f} MiB "
         f"(bound {bound / MiB:.0f} MiB, one unit {sum(p.numel() for p in _Block().parameters()) * 4 / MiB:.0f} MiB); "
-        f"sharded save {sharded_seconds:.3f} s"
+        f"sharded save {sharded_seconds:.3f} s; async blocked {blocked_seconds:.3f} s"
     )
 
 
@@ -281,6 +289,41 @@ def _check_sharded(
         Checkpoint.load_objects({"model": other, "optimizer": other_optimizer}, checkpoint.last_checkpoint)
         _assert_same(_gather(other, other_optimizer), _gather(model, optimizer))
     return seconds
+
+
+def _check_async(
+    shard: Callable[[nn.Module, torch.device], nn.Module],
+    offloaded: bool,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+) -> float:
+    """An asynchronous sharded save of ``model`` and ``optimizer`` (over 64 MiB: written by the saver's helper process
+    from a shared block, page-locked for device copies) holds the state at the moment of the call, though the model
+    trains on at once, and loads into a fresh model and optimizer exactly; return the seconds the second save blocked.
+    ``model`` and ``optimizer`` train on by a step."""
+    with tempfile.TemporaryDirectory() as directory:
+        saver = ShardedSaver(directory)
+        checkpoint = Checkpoint({"model": model, "optimizer": optimizer}, saver, async_save=True)
+        engine = Engine(lambda e, b: None)
+        checkpoint(engine)  # the first save starts the helper and makes the block
+        checkpoint.wait()
+        engine.state.iteration = 1
+        expected = _gather(model, optimizer)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        checkpoint(engine)
+        blocked = time.perf_counter() - start
+        _train(model, optimizer, range(5, 6), device)  # while the save is written
+        checkpoint.wait()
+        assert saver.kept.write_process.pid is not None, "the helper process wrote no file"
+        torch.manual_seed(3)
+        other = shard(_Net().to("cpu" if offloaded else device), device)
+        other_optimizer = _adam(other)
+        Checkpoint.load_objects({"model": other, "optimizer": other_optimizer}, checkpoint.last_checkpoint)
+        _assert_same(_gather(other, other_optimizer), expected)
+    return blocked
 
 
 # --------------------------------------------------------------------------------------------------
@@ -365,10 +408,15 @@ def _check_fairscale(name: str, rank: int, directory: Path) -> str:
     twin_model = {k: v.cpu() for k, v in twin.state_dict().items()}
     twin_state = _plain_optimizer_state(twin, twin_optimizer)
     if FAIRSCALE_SETUPS[name].get("mixed_precision", False):
-        # fp16 gradients, where the twin's are fp32: a few elements of Adam's moments round far apart
-        _assert_near(saved["model"], twin_model, relative=1e-2)
-        _assert_near(saved["optimizer"]["state"], twin_state, relative=1e-2)
+        # fp16 gradients, where the twin's are fp32: Adam's steps, about lr each whatever the gradient's size, go apart
+        # where a gradient rounds to another sign (up to 9.6% of a tensor's norm after 3 steps, measured on an H200);
+        # zeros or another rank's part are 100% or more apart, and a stale state is caught below, by the exact resume
+        apart = max(
+            _assert_near(saved["model"], twin_model, relative=0.25),
+            _assert_near(saved["optimizer"]["state"], twin_state, relative=0.25),
+        )
     else:
+        apart = 0.0
         torch.testing.assert_close(saved["model"], twin_model, atol=1e-4, rtol=1e-3)
         torch.testing.assert_close(saved["optimizer"]["state"], twin_state, atol=1e-4, rtol=1e-3, check_device=False)
     _assert_same(again, saved)
@@ -386,7 +434,8 @@ def _check_fairscale(name: str, rank: int, directory: Path) -> str:
     plain_state = _plain_optimizer_state(plain, plain_optimizer)
     torch.testing.assert_close(plain_state, saved["optimizer"]["state"], atol=0, rtol=0, check_device=False)
     growth = f"save {save_growth[0] / MiB:.1f} MiB, load {load_growth[0] / MiB:.1f} MiB"
-    return f"GPU growth: {growth} (bound {bound / MiB:.0f} MiB)"
+    twin = f"; at most {apart:.1e} from the fp32 twin in norm" if apart else ""
+    return f"GPU growth: {growth} (bound {bound / MiB:.0f} MiB){twin}"
 
 
 def _fairscale_rank(rank: int, directory: str) -> None:
