@@ -29,7 +29,7 @@ import re
 import shutil
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -45,6 +45,7 @@ __all__ = [
     "place_of",
     "split",
     "temporary_name",
+    "written_as",
 ]
 
 # A URL's scheme: `s3://`, `gs://`, `memory://`...
@@ -68,7 +69,7 @@ def is_url(place: str | Path) -> bool:
 
 #: Names of temporary files and directories: hidden, and never ending in ".pt" or ".dcp", so that nothing takes them
 #: for checkpoints.
-TEMPORARY = re.compile(r"^\..+\.ignite_zero-[0-9a-z]+\.tmp$")
+TEMPORARY = re.compile(r"^\.(?P<name>.+)\.ignite_zero-[0-9a-z]+\.tmp$")
 # On an object store, where a new directory is written in place: the mark of one not yet whole, which tells the next
 # save that the prefix is an interrupted write of ours (and not another tool's directory).
 _UNFINISHED = ".ignite_zero-uncommitted"
@@ -77,6 +78,13 @@ _UNFINISHED = ".ignite_zero-uncommitted"
 def temporary_name(name: str) -> str:
     """The hidden name a new file is written under before it takes the name ``name``."""
     return f".{name}.ignite_zero-{uuid.uuid4().hex[:12]}.tmp"
+
+
+def written_as(entry: str) -> str:
+    """The name of the file or directory that ``entry`` (a name in a place, or a key's first part) is written for:
+    the name a temporary will take, else ``entry`` itself."""
+    temporary = TEMPORARY.match(entry)
+    return temporary["name"] if temporary else entry
 
 
 class Place(ABC):
@@ -193,18 +201,24 @@ class Place(ABC):
         """Whether this directory, if written through :meth:`begin_directory`, was committed: locally any directory
         is, since it takes its name only once whole; on an object store, one whose ``seal`` is there."""
 
-    def leftovers(self, entries: Mapping[str, bool]) -> list[str]:
+    def leftovers(self, entries: Mapping[str, bool], writing: Collection[str] = ()) -> list[str]:
         """The names among ``entries`` (a listing of this place) that interrupted writes left: temporary files and
-        directories, and on an object store directories begun and never committed."""
-        return [name for name in entries if TEMPORARY.match(name)]
+        directories, and on an object store directories begun and never committed.
+
+        Args:
+            entries: a listing of this place.
+            writing: names of files and directories this process is writing here now: what their writes use is no
+                leftover.
+        """
+        return [name for name in entries if TEMPORARY.match(name) and written_as(name) not in writing]
 
     def free_space(self) -> int | None:
         """Bytes free for new files, ``None`` where the storage cannot tell (object stores)."""
         return None
 
-    def abort_uploads(self) -> list[str]:
-        """Abort the unfinished uploads under this place, left by processes killed while uploading; return their
-        keys. Only object stores have such uploads."""
+    def abort_uploads(self, writing: Collection[str] = ()) -> list[str]:
+        """Abort the unfinished uploads under this place, left by processes killed while uploading, but those of
+        ``writing`` (as for :meth:`leftovers`); return their keys. Only object stores have such uploads."""
         return []
 
 
@@ -522,9 +536,13 @@ class RemotePlace(Place):
     def is_whole(self, seal: str) -> bool:
         return self.is_file(seal)
 
-    def leftovers(self, entries: Mapping[str, bool]) -> list[str]:
-        unfinished = [name for name, is_dir in entries.items() if is_dir and self.child(name).is_file(_UNFINISHED)]
-        return super().leftovers(entries) + unfinished
+    def leftovers(self, entries: Mapping[str, bool], writing: Collection[str] = ()) -> list[str]:
+        unfinished = [
+            name
+            for name, is_dir in entries.items()
+            if is_dir and name not in writing and self.child(name).is_file(_UNFINISHED)
+        ]
+        return super().leftovers(entries, writing) + unfinished
 
     @property
     def _commits_uploads(self) -> bool:
@@ -536,14 +554,21 @@ class RemotePlace(Place):
         protocol = self.fs.protocol
         return tuple(protocol) if isinstance(protocol, (tuple, list)) else (protocol,)
 
-    def abort_uploads(self) -> list[str]:
-        """Abort the unfinished multipart uploads under this prefix (S3); return their keys."""
+    def abort_uploads(self, writing: Collection[str] = ()) -> list[str]:
+        """Abort the unfinished multipart uploads under this prefix (S3), but those of ``writing``; return their
+        keys."""
         lister = getattr(self.fs, "list_multipart_uploads", None)
         if lister is None:
             return []
         bucket, _, prefix = self.root.partition("/")
+        under = f"{prefix}/" if prefix else ""
         with self._answering("Listing uploads of"):
-            uploads = [u for u in lister(bucket) if u["Key"].startswith(f"{prefix}/" if prefix else "")]
+            uploads = [
+                upload
+                for upload in lister(bucket)
+                if upload["Key"].startswith(under)
+                and written_as(upload["Key"][len(under) :].partition("/")[0]) not in writing
+            ]
             for upload in uploads:
                 self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
         return [f"{bucket}/{upload['Key']}" for upload in uploads]

@@ -65,3 +65,21 @@ def test_leftovers_are_temporaries_and_unfinished_directories_only(place):
     assert ".model_2.pt.ignite_zero-0123abcd.tmp" in left
     assert "model_1.pt" not in left and "other_tool.dcp" not in left
     assert any("interrupted.dcp" in name for name in left)
+
+    # what this process is writing now is no leftover
+    assert place.leftovers(place.entries(), writing={"model_2.pt", "interrupted.dcp"}) == []
+
+
+def test_aborting_uploads_leaves_those_being_written(bucket, storage_options):
+    place = place_of(f"{bucket}/run", storage_options)
+    place.make()
+    client, name = place.fs, bucket.removeprefix("s3://")
+    keys = ["run/first_1.pt", "run/first.dcp/__0_0.distcp", "run/.second_1.pt.ignite_zero-0123abcd.tmp"]
+    keys += ["run/second_1.pt", "run/second.dcp/__1_0.distcp", "elsewhere/first_1.pt"]
+    for key in keys:
+        client.call_s3("create_multipart_upload", Bucket=name, Key=key)
+
+    aborted = place.abort_uploads(writing={"first_1.pt", "first.dcp"})
+    assert sorted(aborted) == sorted(f"{name}/{key}" for key in keys[2:5])
+    left = client.call_s3("list_multipart_uploads", Bucket=name).get("Uploads", [])
+    assert sorted(upload["Key"] for upload in left) == sorted(["elsewhere/first_1.pt", *keys[:2]])

@@ -4,9 +4,12 @@ saves, retention, and the estimate of a checkpoint's size for the disk-space che
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import errno
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: How many saves of this process write each checkpoint now, by directory and name: another handler's cleanup of the
+#: same directory (two handlers may share one, the first saving in the background) leaves what they write alone.
+_writing: collections.Counter[tuple[str, str]] = collections.Counter()
+_writing_lock = threading.Lock()
 
 
 class DirectorySaver(Saver):
@@ -156,17 +164,35 @@ class DirectorySaver(Saver):
             )
         self._require_empty = False
 
+    @contextlib.contextmanager
+    def writing(self, filename: str) -> Iterator[None]:
+        """Mark the checkpoint ``filename`` as written by this process while the block runs, so that the cleanup of
+        another saver of this directory leaves its temporaries alone."""
+        key = (str(self.place), filename)
+        with _writing_lock:
+            _writing[key] += 1
+        try:
+            yield
+        finally:
+            with _writing_lock:
+                _writing[key] -= 1
+                if not _writing[key]:
+                    del _writing[key]
+
     def _remove_temporaries(self) -> dict[str, bool]:
         """Remove what interrupted saves left; return what the directory holds then (names, whether directories).
 
-        The live writer of this directory is this rank alone.
+        The live writers of this directory are this process's saves alone: what those write now (:meth:`writing`)
+        stays.
         """
+        with _writing_lock:
+            writing = {name for place, name in _writing if place == str(self.place)}
         entries = self.place.entries()
-        for name in self.place.leftovers(entries):
+        for name in self.place.leftovers(entries, writing):
             self.place.remove(name)
             del entries[name]
             logger.warning("Removed %s, left by an interrupted save", self.place.location(name))
-        for key in self.place.abort_uploads():
+        for key in self.place.abort_uploads(writing):
             logger.warning("Aborted the upload of %s, left by an interrupted save", key)
         return entries
 

@@ -162,9 +162,10 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         self._prepare()
         check_filename(filename)
         self._check_keywords()
-        self._remove_temporaries()
-        self._check_room(checkpoint, filename)
-        self._save_func(checkpoint, self.place.location(filename), torch.save)
+        with self.writing(filename):
+            self._remove_temporaries()
+            self._check_room(checkpoint, filename)
+            self._save_func(checkpoint, self.place.location(filename), torch.save)
 
     def _save_func(self, checkpoint: Mapping, path: Path | str, func: Callable[..., Any]) -> None:
         """Write ``checkpoint`` as the file ``path`` of this directory with ``func(checkpoint, file, **kwargs)``

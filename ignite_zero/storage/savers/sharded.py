@@ -4,6 +4,7 @@ sealed by one rank: renamed into place on a local file system, committed by its 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -235,10 +236,11 @@ class ShardedSaver(DirectorySaver):
         state = as_saved(state)
         check_filename(filename)
         commit = ShardedCommit(self, filename, timeout=timeout, stream=stream, ranks=ranks)
-        commit.prepare(state)
-        commit.relay()
-        wrote = commit.write()
-        commit.finish(wrote, commit.group_after_write())
+        with self.writing(filename):
+            commit.prepare(state)
+            commit.relay()
+            wrote = commit.write()
+            commit.finish(wrote, commit.group_after_write())
 
     def save_state_async(
         self, state: Mapping, filename: str, *, group: Any, timeout: float, stream: str, ranks: Sequence[int] | None
@@ -252,11 +254,18 @@ class ShardedSaver(DirectorySaver):
         state = as_saved(state)
         check_filename(filename)
         commit = ShardedCommit(self, filename, timeout=timeout, stream=stream, ranks=ranks)
-        commit.prepare(state)
-        staged = commit.stage()
+        writing = contextlib.ExitStack()
+        writing.enter_context(self.writing(filename))  # until the write in the background ends
+        try:
+            commit.prepare(state)
+            staged = commit.stage()
+        except BaseException:
+            writing.close()
+            raise
 
         def finish() -> None:
-            commit.finish(staged if isinstance(staged, Exception) else commit.write(staged), group)
+            with writing:
+                commit.finish(staged if isinstance(staged, Exception) else commit.write(staged), group)
 
         return finish
 

@@ -19,6 +19,7 @@ from training import assert_state_equal, tiny_model, train_step, zero_adam
 
 from ignite_zero import Checkpoint, CollectiveTimeoutError, DiskSaver, RankFailureError, ShardedSaver, verify_file
 from ignite_zero.staging import HostBuffers
+from ignite_zero.storage.formats.directory import verify
 
 pytestmark = pytest.mark.distributed
 
@@ -261,3 +262,60 @@ def _creation_order(rank, world_size, dirname):
 def test_asynchronous_handlers_created_in_another_order_on_each_rank_pair_by_what_they_write(tmp_path):
     for listing in run_ranks(_creation_order, 2, tmp_path, timeout=60):
         assert listing == {"first": ["optimizer_4.pt"], "second": ["optimizer_4.pt"]}
+
+
+def _two_handlers_one_directory(rank, world_size, dirname, mode):
+    from ignite_zero.storage import places
+    from ignite_zero.storage.savers.sharded_commit import ShardedCommit
+
+    begun, second_saved = threading.Event(), threading.Event()
+
+    def hold(filename):  # the first handler's write waits, begun, until the second handler has saved
+        if filename.startswith("first"):
+            begun.set()
+            assert second_saved.wait(60)
+
+    if mode == "sharded":
+        finish = ShardedCommit.finish
+
+        def held_finish(commit, *args, **kwargs):  # every rank's files are written, not yet sealed
+            hold(commit.filename)
+            return finish(commit, *args, **kwargs)
+
+        ShardedCommit.finish = held_finish
+    else:
+        write = places.LocalPlace.write
+
+        def held_write(place, name, dump, atomic=True):
+            def held_dump(f):  # the file's temporary is there now
+                hold(name)
+                return dump(f)
+
+            return write(place, name, held_dump, atomic)
+
+        places.LocalPlace.write = held_write
+
+    model = DistributedDataParallel(tiny_model())
+    optimizer = zero_adam(model)
+    trainer = _trainer(model, optimizer, rank)
+    saver = ShardedSaver if mode == "sharded" else DiskSaver
+    to_save = {"model": model, "optimizer": optimizer}
+    first = Checkpoint(to_save, saver(dirname, require_empty=False), filename_prefix="first", async_save=True)
+    second = Checkpoint(to_save, saver(dirname, require_empty=False), filename_prefix="second")
+    first(trainer)
+    if mode == "sharded" or rank == 0:  # a consolidated file is written by the recipient alone
+        assert begun.wait(60)
+    second(trainer)  # its cleanup of what interrupted saves left finds the first's write under way
+    second_saved.set()
+    first.wait()
+    return sorted(os.listdir(dirname))
+
+
+@pytest.mark.parametrize("mode", ["consolidated", "sharded"])
+def test_two_handlers_of_one_directory_leave_each_others_writes_alone(tmp_path, mode):
+    ext = "dcp" if mode == "sharded" else "pt"
+    names = [f"first_checkpoint_0.{ext}", f"second_checkpoint_0.{ext}"]
+    for listing in run_ranks(_two_handlers_one_directory, 2, tmp_path, mode, timeout=90):
+        assert listing == names
+    for name in names:
+        (verify if mode == "sharded" else verify_file)(tmp_path / name)
