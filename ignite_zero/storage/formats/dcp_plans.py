@@ -42,7 +42,7 @@ from ignite_zero.staging import HostBuffers, SharedBlock
 from ignite_zero.storage.formats.dcp_files import FileWritten, MetadataFile, PlaceStorageWriter
 from ignite_zero.storage.places import Place
 
-__all__ = ["Offer", "SavePlanning", "StagedPart", "WrittenPart", "as_saved"]
+__all__ = ["Offer", "SavePlanning", "StagedPart", "WrittenPart", "as_saved", "flatten"]
 
 
 def as_saved(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -51,8 +51,19 @@ def as_saved(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class _LocalTensorSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, but for how it finds a DTensor's data to write: its local tensor, read without the
-    autograd function of ``to_local()``, whose cost shows in every save of many small tensors."""
+    """DCP's default save planner, but for two steps whose cost shows in every save of many small tensors: how it
+    flattens the state (:func:`flatten`), and how it finds a DTensor's data to write: its local tensor, read without
+    the autograd function of ``to_local()``."""
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        flattened = flatten(state_dict) if self.flatten_state_dict and self.flatten_sharded_tensors else None
+        if flattened is None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            return
+        super().set_up_planner({}, storage_meta, is_coordinator)  # whatever else DCP sets up, on nothing to flatten
+        self.state_dict, self.mappings = flattened
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         value = self.state_dict.get(index.fqn)
@@ -63,24 +74,73 @@ class _LocalTensorSavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
 
-def _state_layout(planner: DefaultSavePlanner) -> list[Any] | None:
-    """What the local plan of ``planner``'s flattened state depends on, entry by entry; ``None`` where it cannot be
-    told cheaply (a ``ShardedTensor``, another object that plans its own writes): that state is planned every save."""
-    layout: list[Any] = [torch.is_grad_enabled(), planner.mappings]
+def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]]] | None:
+    """``state`` flattened as DCP's ``flatten_state_dict`` flattens it for a save (the same keys, paths and order),
+    by a walk that looks at each value's type once, where DCP's asks each container whether it is terminal before it
+    walks it; ``None`` where the state holds what DCP's own walk should take: a mapping that is not a dict, a
+    ``ShardedTensor``, or a key that two paths make.
+
+    A dict is walked, its keys made strings; a list is walked where it holds a tensor, a mapping, or such a list (by
+    position), else kept whole, as a tuple and any other value are.
+
+    Returns:
+        The flat state, and each key's path in ``state``.
+    """
+    flat: dict[str, Any] = {}
+    paths: dict[str, tuple[str | int, ...]] = {}
+
+    def walked(value: list[Any]) -> bool:
+        for item in value:
+            if isinstance(item, (Mapping, torch.Tensor)) or (isinstance(item, list) and walked(item)):
+                return True
+        return False
+
+    def visit(path: tuple[str | int, ...], value: Any) -> bool:
+        if isinstance(value, dict):
+            return all(visit((*path, str(key)), item) for key, item in value.items())
+        if isinstance(value, list) and walked(value):
+            return all(visit((*path, index), item) for index, item in enumerate(value))
+        if isinstance(value, Mapping) or hasattr(value, "local_shards"):
+            return False
+        key = ".".join(map(str, path))
+        if key in flat:
+            return False
+        flat[key], paths[key] = value, path
+        return True
+
+    if not all(visit((str(key),), value) for key, value in state.items()):
+        return None
+    return flat, paths
+
+
+def _state_layout(planner: DefaultSavePlanner) -> tuple[list[Any] | None, int]:
+    """What the local plan of ``planner``'s flattened state depends on, entry by entry, ``None`` where it cannot be
+    told cheaply (a ``ShardedTensor``, another object that plans its own writes: that state is planned every save);
+    and about how many bytes its files take: each tensor's, and room for each entry's record and pickled value."""
+    layout: list[Any] | None = [torch.is_grad_enabled(), planner.mappings]
+    nbytes = (1 << 16) + 256 * len(planner.state_dict)
     for name, value in planner.state_dict.items():
         if type(value) is DTensor:
             local = _compat.dtensor_local(value)
-            described: tuple[Any, ...] = (value.shape, value.stride(), value.dtype, value.requires_grad)
-            mesh = (value.placements, value.device_mesh, local.shape, local.requires_grad, local.is_pinned())
-            layout.append((name, *described, *mesh))
-        elif hasattr(value, "__create_write_items__") or hasattr(value, "local_shards"):
-            return None
+            nbytes += local.nbytes
+            if layout is not None:
+                described: tuple[Any, ...] = (value.shape, value.stride(), value.dtype, value.requires_grad)
+                mesh = (value.placements, value.device_mesh, local.shape, local.requires_grad, local.is_pinned())
+                layout.append((name, *described, *mesh))
+        elif hasattr(value, "local_shards"):
+            nbytes += sum(shard.tensor.nbytes for shard in value.local_shards())
+            layout = None
+        elif hasattr(value, "__create_write_items__"):
+            nbytes += value.nbytes if isinstance(value, torch.Tensor) else 0
+            layout = None
         elif isinstance(value, torch.Tensor):
-            described = (value.shape, value.stride(), value.dtype, value.layout, value.requires_grad)
-            layout.append((name, *described, value.is_pinned()))
-        else:  # written pickled, whatever it holds
+            nbytes += value.nbytes
+            if layout is not None:
+                described = (value.shape, value.stride(), value.dtype, value.layout, value.requires_grad)
+                layout.append((name, *described, value.is_pinned()))
+        elif layout is not None:  # written pickled, whatever it holds
             layout.append(name)
-    return layout
+    return layout, nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +230,8 @@ class SavePlanning:
         self._planner: DefaultSavePlanner | None = None
         self._local_plan: SavePlan | None = None
         self._planned: tuple[list[Any], SavePlan] | None = None  # the layout of the last local plan made, and that plan
+        #: about how many bytes this rank's files of the save being planned take (see :meth:`offer`)
+        self.part_bytes = 0
         self._members: tuple[int, ...] = ()
         self._position = 0
         # the coordinator's: where the last save under the kept agreement wrote, and its .metadata
@@ -212,7 +274,7 @@ class SavePlanning:
         planner.set_up_planner(dict(state), storage_meta=writer.storage_meta(), is_coordinator=self.is_coordinator)
         writer.set_up_storage_writer(self.is_coordinator, rank=self._position, use_collectives=True)
         self._planner = planner
-        layout = _state_layout(planner)
+        layout, self.part_bytes = _state_layout(planner)
         if layout is not None and self._planned is not None and self._planned[0] == layout:
             local_plan = self._planned[1]
         else:

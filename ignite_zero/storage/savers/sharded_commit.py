@@ -31,7 +31,7 @@ from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.formats.dcp_files import FileWritten, write_entries
 from ignite_zero.storage.formats.dcp_plans import Offer, SavePlanning, StagedPart, WrittenPart
 from ignite_zero.storage.places import LocalPlace, Place
-from ignite_zero.storage.savers.destination import check_room, package_version, serialized_size
+from ignite_zero.storage.savers.destination import check_room, package_version
 from ignite_zero.storage.savers.write_process import WriteProcess, worth_a_process
 from ignite_zero.transport.groups import cpu_group, discard_group
 
@@ -144,7 +144,7 @@ class ShardedCommit:
         with together(f"preparation of {self.filename}", **self._round()) as preparation:
             offer = self.planning.offer(state, self.writer, self.members, rank_and_world()[0])
             free, probe = self._open_directory(probed) if self.saver.is_writer else (None, None)
-            preparation.payload = PreparationReport(serialized_size(state), free, probe, offer)
+            preparation.payload = PreparationReport(self.planning.part_bytes, free, probe, offer)
         reports: list[PreparationReport] = preparation.payloads
         probe = next((report.probe for report in reports if report.probe is not None), None)
         if probe is not None:

@@ -2,7 +2,9 @@
 the offers that a round of the saver shares, here handed over in one process; the saves that go through real rounds
 are in test_sharded.py, and here the kept plans of real saves, read back by DCP's own reader."""
 
+from collections import OrderedDict
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -176,3 +178,40 @@ def _metadata_of_kept_plans(rank, world_size, dirname):
 @pytest.mark.distributed
 def test_metadata_is_pickled_again_only_where_an_entry_moved(tmp_path):
     assert run_ranks(_metadata_of_kept_plans, 2, tmp_path)[0] == [True, False, True]
+
+
+def _nested_states():
+    tensor = torch.ones(2)
+    yield {
+        "model": OrderedDict([("w", tensor), ("b", torch.zeros(3))]),
+        "optimizer": {"state": {0: {"step": tensor, "exp_avg": tensor}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+        7: {8: tensor},  # keys made strings
+        "lists": {"values": [1, 2], "tensors": [tensor, 3], "deep": [[1], [tensor]], "dicts": [{"x": 1}], "empty": []},
+        "kept_whole": {"tuple": (tensor, 1), "nested": [[[1]]], "text": "s", "none": None, "no_entries": {}},
+    }
+    yield {"mapping": MappingProxyType({"w": tensor})}  # not a dict: DCP's own walk
+    yield {"in_a_list": [MappingProxyType({"w": tensor})]}
+    yield {"a.b": 1, "a": {"b": 2}}  # one key, two paths: DCP's own error
+
+
+@pytest.mark.parametrize("state", _nested_states(), ids=["nested", "mapping", "mapping in a list", "same key"])
+def test_the_state_is_flattened_as_dcp_flattens_it(state):
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from ignite_zero.storage.formats.dcp_plans import _LocalTensorSavePlanner, flatten
+
+    flattened = flatten(state)
+    ours, theirs = _LocalTensorSavePlanner(), DefaultSavePlanner()
+    try:
+        theirs.set_up_planner(state, None, True)
+    except ValueError:
+        assert flattened is None
+        with pytest.raises(ValueError, match="duplicated flatten key a.b"):
+            ours.set_up_planner(state, None, True)
+        return
+    ours.set_up_planner(state, None, True)
+    assert (flattened is None) == (state.keys() & {"mapping", "in_a_list"} != set())
+    assert list(ours.state_dict) == list(theirs.state_dict)  # the same keys, in the same order
+    assert all(ours.state_dict[key] is value for key, value in theirs.state_dict.items())
+    assert list(ours.mappings.items()) == list(theirs.mappings.items())
+    assert ours.create_local_plan() == theirs.create_local_plan()
