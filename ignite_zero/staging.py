@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ignite_zero import _compat
 from ignite_zero.pickling import join_tensors, split_tensors
 
 __all__ = [
@@ -264,8 +265,7 @@ class HostBuffers:
             self._buffers, self.block, self._kept = [], None, None  # the old buffers go before the new ones are made
             self._buffers, self.block = self._allocate(tensors, accelerated)
             self._kept = layout
-        for buffer, tensor in zip(self._buffers, tensors):
-            buffer.copy_(tensor.detach(), non_blocking=accelerated)
+        _compat.copy_each(self._buffers, tensors, non_blocking=accelerated)
         if accelerated and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the copies were issued without blocking, one after the other
         return self._buffers

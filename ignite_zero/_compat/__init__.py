@@ -11,6 +11,7 @@ means editing that module alone:
 - :mod:`~ignite_zero._compat.serialization`: ``torch.save``'s archive and ``torch.load``'s offsets;
 - :mod:`~ignite_zero._compat.dcp`: torch.distributed.checkpoint;
 - :mod:`~ignite_zero._compat.dtensor`: DTensor layouts, and DTensors of given local tensors;
+- :mod:`~ignite_zero._compat.foreach`: torch's multi-tensor kernels;
 - :mod:`~ignite_zero._compat.modules`: ``nn.Module``'s non-persistent buffers and extra state, torch's wrappers;
 - :mod:`~ignite_zero._compat.fsdp1`: FSDP1's ``FlatParameter``;
 - :mod:`~ignite_zero._compat.fairscale_fsdp`: fairscale's ``FullyShardedDataParallel``.
@@ -43,6 +44,7 @@ from ignite_zero._compat.fairscale_fsdp import (
     is_fairscale_fsdp,
     is_fairscale_fsdp_param,
 )
+from ignite_zero._compat.foreach import copy_each
 from ignite_zero._compat.fsdp1 import (
     FlatParamEntry,
     SharedParamEntry,
@@ -75,6 +77,7 @@ from ignite_zero._compat.sharded_optimizers import (
 from ignite_zero._compat.torch_version import MIN_TORCH_VERSION, TORCH_VERSION
 
 __all__ = [
+    "copy_each",
     "DCP_VERSION",
     "EXTRA_STATE_KEY",
     "FAIRSCALE_WRAPPER_SEGMENTS",
