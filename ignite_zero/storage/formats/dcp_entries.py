@@ -28,6 +28,7 @@ __all__ = [
     "laid_out",
     "metadata_of",
     "pack_records",
+    "record_table",
     "read_checked",
     "read_entries",
     "read_entry",
@@ -68,10 +69,16 @@ class EntryRecord(NamedTuple):
 _RECORD_TABLE = np.dtype("<i8")
 
 
-def pack_records(records: Sequence[EntryRecord]) -> str:
-    """``records`` as the manifest holds them: a base64 table (see :func:`unpack_records`)."""
-    table = np.array(records, dtype=_RECORD_TABLE).reshape(-1, len(EntryRecord._fields))
-    return base64.b64encode(table.tobytes()).decode("ascii")
+def record_table(records: Sequence[EntryRecord] | np.ndarray) -> np.ndarray:
+    """``records`` as a table: a row of 64-bit integers per entry, the fields of :class:`EntryRecord` in order (what
+    travels between processes and ranks, where a list of thousands of tuples is slow to pickle)."""
+    return np.asarray(records, dtype=_RECORD_TABLE).reshape(-1, len(EntryRecord._fields))
+
+
+def pack_records(records: Sequence[EntryRecord] | np.ndarray) -> str:
+    """``records`` (or their :func:`record_table`) as the manifest holds them: a base64 table (see
+    :func:`unpack_records`)."""
+    return base64.b64encode(record_table(records).tobytes()).decode("ascii")
 
 
 def unpack_records(value: object) -> np.ndarray:

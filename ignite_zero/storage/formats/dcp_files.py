@@ -33,6 +33,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any, NamedTuple
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -69,10 +70,11 @@ from ignite_zero.storage.formats.dcp_entries import (
     read_entries,
     read_saved,
     read_whole,
+    record_table,
 )
 from ignite_zero.storage.places import Place, place_of
 
-__all__ = ["FileWritten", "PlaceStorageReader", "PlaceStorageWriter", "tensor_nbytes", "write_entries"]
+__all__ = ["FileWritten", "PlaceStorageReader", "PlaceStorageWriter", "PlacedFile", "tensor_nbytes", "write_entries"]
 
 _SUFFIX = ".distcp"
 # Writes up to the first size are gathered until they reach the second: one write for the archives of many small
@@ -168,11 +170,21 @@ class _Output:
 
 
 class FileWritten(NamedTuple):
-    """A ``.distcp`` file as written: its size, CRC-32, and its entries' records in the order written."""
+    """A ``.distcp`` file as written: its size, CRC-32, and its entries' records in the order written (a
+    :func:`~ignite_zero.storage.formats.dcp_entries.record_table`)."""
 
     size: int
     crc: int
-    records: list[EntryRecord]
+    records: np.ndarray
+
+
+class PlacedFile(NamedTuple):
+    """A file of a rank's part of a plan, as written: its name, the positions in the plan of the items it holds, in
+    the order written, and what was written."""
+
+    name: str
+    positions: list[int]
+    written: FileWritten
 
 
 def write_entries(place: Place, name: str, entries: Iterable[Any]) -> FileWritten:
@@ -189,7 +201,7 @@ def write_entries(place: Place, name: str, entries: Iterable[Any]) -> FileWritte
                 output.value(data.getbuffer() if isinstance(data, io.BytesIO) else data)
             del data  # unless held with other small tensors, a host copy goes before the next one is made
         output.finish()
-        written.append(FileWritten(output.size, output.crc, output.records))
+        written.append(FileWritten(output.size, output.crc, record_table(output.records)))
 
     place.write(name, dump, atomic=False)
     return written[-1]
@@ -246,49 +258,54 @@ class PlaceStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         producers = staging.current_streams()  # this thread's: the writing threads copy after their work
 
-        def write(name: str, items: list[WriteItem]) -> FileWritten:
+        def write(name: str, positions: list[int]) -> FileWritten:
             # a host copy goes before the next one is made, unless held with other small tensors
-            values = staging.on_host((planner.resolve_data(item) for item in items), producers)
+            values = staging.on_host((planner.resolve_data(plan.items[n]) for n in positions), producers)
             return write_entries(self.place, name, values)
 
         future: Future[list[WriteResult]] = Future()
-        future.set_result(self._write_files(plan, write))
+        future.set_result(
+            [
+                WriteResult(plan.items[n].index, length, _compat.dcp_storage_info(file.name, offset, length))
+                for file in self._write_files(plan, write)
+                for n, (offset, length) in zip(file.positions, file.written.records[:, :2].tolist(), strict=True)
+            ]
+        )
         return future
 
     def write_staged(
         self, plan: SavePlan, staged: Sequence[Any], write_file: Callable[[Place, str, list[Any]], FileWritten]
-    ) -> list[WriteResult]:
+    ) -> list[PlacedFile]:
         """Write ``plan`` from ``staged``, a host copy of what each of its items resolves to (values' bytes, tensors),
         each file by ``write_file(place, name, entries)``: :func:`write_entries`, or its call in another process."""
-        by_index = {item.index: value for item, value in zip(plan.items, staged, strict=True)}
         return self._write_files(
-            plan, lambda name, items: write_file(self.place, name, [by_index[i.index] for i in items])
+            plan, lambda name, positions: write_file(self.place, name, [staged[n] for n in positions])
         )
 
-    def _write_files(self, plan: SavePlan, write: Callable[[str, list[WriteItem]], FileWritten]) -> list[WriteResult]:
-        """Write this rank's files of ``plan``, each with ``write(name, items)``: one file, or one per thread."""
+    def _write_files(self, plan: SavePlan, write: Callable[[str, list[int]], FileWritten]) -> list[PlacedFile]:
+        """Write this rank's files of ``plan``, each with ``write(name, positions)`` (of items in the plan): one file,
+        or one per thread."""
         # here, not while planning: a saver plans before its writing rank clears what an interrupted save left
         self.place.make()
         prefix = plan.storage_data.prefix
-        files = [(f"{prefix}{n}{_SUFFIX}", items) for n, items in enumerate(_split(plan.items, self.thread_count))]
+        parts = _split(plan.items, self.thread_count)
+        files = [(f"{prefix}{n}{_SUFFIX}", positions) for n, positions in enumerate(parts)]
         if len(files) == 1:
-            return self._write_file(*files[0], write)
+            return [self._write_file(plan, *files[0], write)]
         with concurrent.futures.ThreadPoolExecutor(len(files), thread_name_prefix="ignite_zero-write") as pool:
-            parts = pool.map(lambda f: self._write_file(f[0], f[1], write), files)
-            return [result for part in parts for result in part]
+            return list(pool.map(lambda f: self._write_file(plan, f[0], f[1], write), files))
 
     def _write_file(
-        self, name: str, items: list[WriteItem], write: Callable[[str, list[WriteItem]], FileWritten]
-    ) -> list[WriteResult]:
+        self, plan: SavePlan, name: str, positions: list[int], write: Callable[[str, list[int]], FileWritten]
+    ) -> PlacedFile:
         # values first, then tensors, as DCP's own writer orders them
-        ordered = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+        ordered = sorted(positions, key=lambda n: plan.items[n].type != WriteItemType.BYTE_IO)
         written = write(name, ordered)
+        if len(written.records) != len(ordered):
+            raise RuntimeError(f"{name}: {len(written.records)} entries written for {len(ordered)} items")
         self.written[name] = (written.size, written.crc)
-        self.records[name] = written.records
-        return [
-            WriteResult(item.index, record.length, _compat.dcp_storage_info(name, record.offset, record.length))
-            for item, record in zip(ordered, written.records, strict=True)
-        ]
+        self.records[name] = list(map(EntryRecord._make, written.records.tolist()))
+        return PlacedFile(name, ordered, written)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator: write ``.metadata``, last (its bytes kept in :attr:`metadata_file`)."""
@@ -411,21 +428,21 @@ def _split_at(content: bytes, piece: bytes) -> tuple[bytes, bytes]:
     return before, after
 
 
-def _split(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
-    """``items`` in ``count`` files of about equal size: values spread in turn, tensors largest first into the
-    smallest file."""
+def _split(items: list[WriteItem], count: int) -> list[list[int]]:
+    """The positions of ``items`` in ``count`` files of about equal size: values spread in turn, tensors largest
+    first into the smallest file."""
     if count == 1:
-        return [items]
-    files: list[list[WriteItem]] = [[] for _ in range(count)]
+        return [list(range(len(items)))]
+    files: list[list[int]] = [[] for _ in range(count)]
     sizes = [0] * count
-    values = [item for item in items if item.type == WriteItemType.BYTE_IO]
-    for n, item in enumerate(values):
-        files[n % count].append(item)
-    tensors = [item for item in items if item.type != WriteItemType.BYTE_IO]
-    for item in sorted(tensors, key=lambda item: tensor_nbytes(item.tensor_data), reverse=True):
+    values = [n for n, item in enumerate(items) if item.type == WriteItemType.BYTE_IO]
+    for turn, n in enumerate(values):
+        files[turn % count].append(n)
+    tensors = [n for n, item in enumerate(items) if item.type != WriteItemType.BYTE_IO]
+    for n in sorted(tensors, key=lambda n: tensor_nbytes(items[n].tensor_data), reverse=True):
         smallest = sizes.index(min(sizes))
-        files[smallest].append(item)
-        sizes[smallest] += tensor_nbytes(item.tensor_data)
+        files[smallest].append(n)
+        sizes[smallest] += tensor_nbytes(items[n].tensor_data)
     return [part for part in files if part]
 
 

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from ignite_zero import _compat
 from ignite_zero.staging import HostBuffers, SharedBlock
-from ignite_zero.storage.formats.dcp_files import FileWritten, MetadataFile, PlaceStorageWriter
+from ignite_zero.storage.formats.dcp_files import FileWritten, MetadataFile, PlacedFile, PlaceStorageWriter
 from ignite_zero.storage.places import Place
 
 __all__ = ["Offer", "SavePlanning", "StagedPart", "WrittenPart", "as_saved", "flatten"]
@@ -170,6 +170,15 @@ class WrittenPart:
 
     files: tuple[str, ...]
     places: np.ndarray
+
+    @classmethod
+    def of_files(cls, plan: SavePlan, files: Sequence[PlacedFile]) -> WrittenPart:
+        """The places of the items of ``plan``, written as ``files``: from their records, without DCP's results."""
+        places = np.empty((len(plan.items), 3), dtype=np.int64)
+        for number, file in enumerate(files):
+            places[file.positions, 0] = number
+            places[file.positions, 1:] = file.written.records[:, :2]
+        return cls(tuple(file.name for file in files), places)
 
     @classmethod
     def of(cls, plan: SavePlan, results: Sequence[WriteResult]) -> WrittenPart:
@@ -359,7 +368,7 @@ class SavePlanning:
     ) -> WrittenPart:
         """Write this rank's part from ``staged``, each file with ``write_file`` (see
         :meth:`~ignite_zero.storage.formats.dcp_files.PlaceStorageWriter.write_staged`)."""
-        return WrittenPart.of(staged.plan, writer.write_staged(staged.plan, staged.values, write_file))
+        return WrittenPart.of_files(staged.plan, writer.write_staged(staged.plan, staged.values, write_file))
 
     def finish(self, writer: PlaceStorageWriter, parts: Sequence[WrittenPart]) -> None:
         """On the coordinator, once every rank wrote: ``.metadata``; the last save's bytes again where every rank

@@ -148,7 +148,7 @@ def check_committed(place: Place) -> None:
 def seal(
     where: Place,
     files: Mapping[str, tuple[int, int]],
-    records: Mapping[str, Sequence[EntryRecord]] | None = None,
+    records: Mapping[str, Sequence[EntryRecord] | np.ndarray] | None = None,
     **facts: Any,
 ) -> None:
     """Write the manifest of a checkpoint directory, durably: every file's size and CRC-32, where each of its entries

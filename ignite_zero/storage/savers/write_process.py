@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ignite_zero.staging import SharedBlock, SharedTensor, shared_tensor
+from ignite_zero.staging import SharedBlock, shared_tensor
 from ignite_zero.storage.formats.dcp_files import FileWritten, write_entries
 from ignite_zero.storage.places import LocalPlace, Place
 
@@ -69,6 +69,7 @@ class WriteProcess:
         self._answered = False  # whether any helper of this one wrote a file
         self._unavailable: str | None = None  # why no helper can run here, once the first one failed its first file
         self._lock = threading.Lock()  # one file at a time: the files of a save by several threads take turns
+        self._described: tuple[tuple[str, list[int | None]], bytes] | None = None  # the last tensors described
         _every_process.add(self)
 
     @property
@@ -92,9 +93,9 @@ class WriteProcess:
             place = LocalPlace(place.path.absolute())
         with self._lock:
             if self._unavailable is None:
-                described = [block.where(e) if isinstance(e, torch.Tensor) else bytes(e) for e in entries]
+                tensors, values = self._describe(entries, block)
                 try:
-                    kind, answer = self._ask(block, (place, name, described))
+                    kind, answer = self._ask(block, (place, name, tensors, values))
                 except (OSError, EOFError) as error:
                     self._failed(name, error)
                 else:
@@ -102,6 +103,17 @@ class WriteProcess:
                         raise answer
                     return FileWritten(*answer)
         return write_entries(place, name, entries)
+
+    def _describe(self, entries: list[Any], block: SharedBlock) -> tuple[bytes, dict[int, bytes]]:
+        """Where the helper finds each tensor of ``entries`` in ``block`` (``None`` at a value), pickled once while
+        the same tensors come in the same order, as the host copies kept between saves do; and each value's bytes,
+        by position."""
+        key = (block.token, [id(entry) if isinstance(entry, torch.Tensor) else None for entry in entries])
+        if self._described is None or self._described[0] != key:
+            where = [block.where(entry) if isinstance(entry, torch.Tensor) else None for entry in entries]
+            self._described = (key, pickle.dumps(where, protocol=pickle.HIGHEST_PROTOCOL))
+        values = {n: bytes(entry) for n, entry in enumerate(entries) if not isinstance(entry, torch.Tensor)}
+        return self._described[1], values
 
     def _ask(self, block: SharedBlock, job: tuple[Any, ...]) -> tuple[bytes, Any]:
         """Send ``job`` to the helper with ``block``'s descriptor (it maps the block for the job alone); its answer."""
@@ -239,11 +251,11 @@ def serve(fd: int) -> None:
     connection = socket.socket(fileno=fd)
     while True:
         try:
-            _, (place, name, described), fds = _receive_with_fds(connection)
+            _, (place, name, tensors, values), fds = _receive_with_fds(connection)
         except EOFError:
             return
         try:
-            answer: tuple[bytes, Any] = (_DONE, tuple(_write_from(fds[0], place, name, described)))
+            answer: tuple[bytes, Any] = (_DONE, tuple(_write_from(fds[0], place, name, tensors, values)))
         except Exception as error:
             try:
                 pickle.loads(pickle.dumps(error))
@@ -253,11 +265,13 @@ def serve(fd: int) -> None:
         _send(connection, *answer)
 
 
-def _write_from(fd: int, place: Place, name: str, described: list[Any]) -> FileWritten:
-    """Write the file ``name`` of ``place`` from the block of descriptor ``fd``, mapped for this file alone."""
+def _write_from(fd: int, place: Place, name: str, tensors: bytes, values: dict[int, bytes]) -> FileWritten:
+    """Write the file ``name`` of ``place`` from the block of descriptor ``fd``, mapped for this file alone: its
+    entries are the tensors ``tensors`` describes (see :meth:`WriteProcess._describe`), and ``values`` by position."""
     try:
         block = mmap.mmap(fd, 0)
     finally:
         os.close(fd)
-    entries = [shared_tensor(block, entry) if isinstance(entry, SharedTensor) else entry for entry in described]
+    described = pickle.loads(tensors)
+    entries = [values[n] if where is None else shared_tensor(block, where) for n, where in enumerate(described)]
     return write_entries(place, name, entries)
