@@ -256,6 +256,19 @@ class PlaceStorageWriter(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(
+            [
+                WriteResult(plan.items[n].index, length, _compat.dcp_storage_info(file.name, offset, length))
+                for file in self.write_plan(plan, planner)
+                for n, (offset, length) in zip(file.positions, file.written.records[:, :2].tolist(), strict=True)
+            ]
+        )
+        return future
+
+    def write_plan(self, plan: SavePlan, planner: SavePlanner) -> list[PlacedFile]:
+        """Write ``plan``, each item's data resolved by ``planner``: what :meth:`write_data` writes, as files that
+        say which items they hold rather than as DCP's result of each item."""
         producers = staging.current_streams()  # this thread's: the writing threads copy after their work
 
         def write(name: str, positions: list[int]) -> FileWritten:
@@ -263,15 +276,7 @@ class PlaceStorageWriter(StorageWriter):
             values = staging.on_host((planner.resolve_data(plan.items[n]) for n in positions), producers)
             return write_entries(self.place, name, values)
 
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(
-            [
-                WriteResult(plan.items[n].index, length, _compat.dcp_storage_info(file.name, offset, length))
-                for file in self._write_files(plan, write)
-                for n, (offset, length) in zip(file.positions, file.written.records[:, :2].tolist(), strict=True)
-            ]
-        )
-        return future
+        return self._write_files(plan, write)
 
     def write_staged(
         self, plan: SavePlan, staged: Sequence[Any], write_file: Callable[[Place, str, list[Any]], FileWritten]

@@ -180,17 +180,6 @@ class WrittenPart:
             places[file.positions, 1:] = file.written.records[:, :2]
         return cls(tuple(file.name for file in files), places)
 
-    @classmethod
-    def of(cls, plan: SavePlan, results: Sequence[WriteResult]) -> WrittenPart:
-        """The places of ``results``, DCP's results of writing ``plan``."""
-        by_index = {result.index: result.storage_data for result in results}
-        files: dict[str, int] = {}
-        rows = []
-        for item in plan.items:
-            info = by_index[item.index]
-            rows.append((files.setdefault(info.relative_path, len(files)), info.offset, info.length))
-        return cls(tuple(files), np.array(rows, dtype=np.int64).reshape(-1, 3))
-
     def results(self, plan: SavePlan) -> list[WriteResult]:
         """DCP's results of writing ``plan``, the part these places are of."""
         return [
@@ -336,7 +325,7 @@ class SavePlanning:
         self._written = None
         return True
 
-    def write(self, writer: StorageWriter) -> WrittenPart:
+    def write(self, writer: PlaceStorageWriter) -> WrittenPart:
         """Write this rank's part of the agreed plan.
 
         Args:
@@ -348,9 +337,7 @@ class SavePlanning:
         kept, planner = self._kept, self._planner
         assert planner is not None and kept is not None, "offer() and make_global_plans() first"
         plan = planner.finish_plan(kept.central_plan)
-        writes = writer.write_data(plan, planner)
-        writes.wait()
-        return WrittenPart.of(plan, writes.value())
+        return WrittenPart.of_files(plan, writer.write_plan(plan, planner))
 
     def stage(self, buffers: HostBuffers) -> StagedPart:
         """Copy what this rank writes of the agreed plan into host memory: each item's tensor into ``buffers``, each

@@ -145,19 +145,19 @@ def _save_after_a_failed_save(rank, world_size, dirname):
     engine.state.iteration = 1
     checkpoint(engine)
     holder.x = torch.arange(9, dtype=torch.float32)  # a new shape, in a save that fails on one rank as it writes
-    write_data = sharded.DirectoryWriter.write_data
+    write_plan = sharded.DirectoryWriter.write_plan
 
     def failing(self, plan, planner):
         raise OSError(errno.EIO, "Input/output error")
 
     if rank == 0:
-        sharded.DirectoryWriter.write_data = failing
+        sharded.DirectoryWriter.write_plan = failing
     engine.state.iteration = 2
     try:
         with pytest.raises(RankFailureError, match="Input/output error"):
             checkpoint(engine)
     finally:
-        sharded.DirectoryWriter.write_data = write_data
+        sharded.DirectoryWriter.write_plan = write_plan
     engine.state.iteration = 3
     checkpoint(engine)
     loaded = _loaded_holder(checkpoint)
