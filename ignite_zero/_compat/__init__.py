@@ -30,7 +30,13 @@ from ignite_zero._compat.dcp import (
     dcp_metadata_globals,
     dcp_storage_info,
 )
-from ignite_zero._compat.dtensor import dtensor_block, dtensor_local, dtensor_of_local, unsupported_placement
+from ignite_zero._compat.dtensor import (
+    dtensor_block,
+    dtensor_detached,
+    dtensor_local,
+    dtensor_of_local,
+    unsupported_placement,
+)
 from ignite_zero._compat.fairscale_fsdp import (
     FAIRSCALE_WRAPPER_SEGMENTS,
     FairscaleParamEntry,
@@ -102,6 +108,7 @@ __all__ = [
     "dcp_storage_info",
     "default_store",
     "dtensor_block",
+    "dtensor_detached",
     "dtensor_local",
     "dtensor_of_local",
     "fairscale_fsdp_class",

@@ -210,10 +210,18 @@ def sharded_model_state(module: nn.Module) -> dict[str, Any]:
     """This rank's shards (DTensor views), buffers and extra state, by the unwrapped module's names, as torch's
     ``get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))`` gives them, in its order: the
     entries under a wrapper's segment (a compiled or checkpointed part) move to the end, as it renames them."""
-    named = [(clean_name(name), name, value) for name, value in module.state_dict().items()]
+    # the module's own entries, detached here: DTensor's detach() through its dispatch costs most of state_dict()
+    named = [(clean_name(name), name, _detached(value)) for name, value in module.state_dict(keep_vars=True).items()]
     state = {name: value for name, raw, value in named if name == raw}
     state.update((name, value) for name, raw, value in named if name != raw)
     return state
+
+
+def _detached(value: Any) -> Any:
+    """``value.detach()`` for a tensor, as ``state_dict()`` gives them; anything else (extra state) as it is."""
+    if type(value) is DTensor:  # a DTensor parameter is one, marked as a parameter
+        return _compat.dtensor_detached(value)
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 @torch.no_grad()

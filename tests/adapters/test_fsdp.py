@@ -313,11 +313,16 @@ def _against_twin(
 
 
 def _same_tensor(ours: Any, theirs: Any) -> bool:
-    """Whether two views are of the same elements, laid out alike (``state_dict()`` detaches anew each call)."""
+    """Whether two views are of the same elements, laid out alike, both out of autograd (``state_dict()`` detaches
+    anew each call)."""
+    if isinstance(ours, torch.Tensor) and (type(ours), ours.requires_grad) != (type(theirs), theirs.requires_grad):
+        return False
     if isinstance(ours, DTensor):
         if (ours.device_mesh, ours.placements) != (theirs.device_mesh, theirs.placements):
             return False
         ours, theirs = _compat.dtensor_local(ours), _compat.dtensor_local(theirs)
+        if ours.requires_grad != theirs.requires_grad:
+            return False
     if not isinstance(ours, torch.Tensor):
         return type(ours) is type(theirs) and ours == theirs
     laid_out = (ours.shape, ours.stride(), ours.dtype, ours.storage_offset())
