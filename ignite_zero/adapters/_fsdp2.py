@@ -135,8 +135,8 @@ def model_pieces(module: nn.Module) -> Pieces:
     """
     pieces = Pieces()
     tied = _tied_names(module)
-    for raw_name, value in module.state_dict().items():
-        name = clean_name(raw_name)
+    for raw_name, kept in module.state_dict(keep_vars=True).items():
+        name, value = clean_name(raw_name), _detached(kept)
         if tied.get(name, name) != name:  # sent once, the same tensor under both names on the recipient
             pieces.add_alias((name,), (tied[name],))
         elif isinstance(value, DTensor):
