@@ -255,8 +255,8 @@ def _check(name: str, device: torch.device) -> str:
     _train(model, optimizer, range(3, 5), device)
     _train(fresh, fresh_optimizer, range(3, 5), device)
     _assert_same(_gather(fresh, fresh_optimizer), _gather(model, optimizer))
-    sharded_seconds = _check_sharded(shard, offloaded, model, optimizer, device)
-    blocked_seconds = _check_async(shard, offloaded, model, optimizer, device)
+    sharded_seconds = _check_sharded(shard, offloaded, model, optimizer, device, asynchronous=False)
+    blocked_seconds = _check_sharded(shard, offloaded, model, optimizer, device, asynchronous=True)
     return (
         f"GPU growth: save {save_growth[0] / MiB:.1f} MiB, load {load_growth[0] / MiB:.1f} MiB "
         f"(bound {bound / MiB:.0f} MiB, one unit {sum(p.numel() for p in _Block().parameters()) * 4 / MiB:.0f} MiB); "
@@ -270,43 +270,19 @@ def _check_sharded(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     device: torch.device,
+    asynchronous: bool,
 ) -> float:
-    """A sharded checkpoint of ``model`` and ``optimizer`` (device tensors staged through pinned memory, one
-    tensor's copy ahead of the write) loads into a fresh model and optimizer exactly; return the save's seconds."""
-    with tempfile.TemporaryDirectory() as directory:
-        checkpoint = Checkpoint({"model": model, "optimizer": optimizer}, ShardedSaver(directory))
-        engine = Engine(lambda e, b: None)
-        checkpoint(engine)  # the first save warms up the pinned memory
-        engine.state.iteration = 1
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        checkpoint(engine)
-        seconds = time.perf_counter() - start
-        torch.manual_seed(2)
-        other = shard(_Net().to("cpu" if offloaded else device), device)
-        other_optimizer = _adam(other)
-        Checkpoint.load_objects({"model": other, "optimizer": other_optimizer}, checkpoint.last_checkpoint)
-        _assert_same(_gather(other, other_optimizer), _gather(model, optimizer))
-    return seconds
+    """A sharded checkpoint of ``model`` and ``optimizer`` loads into a fresh model and optimizer exactly; return the
+    seconds the second save took, or with ``asynchronous`` blocked the loop.
 
-
-def _check_async(
-    shard: Callable[[nn.Module, torch.device], nn.Module],
-    offloaded: bool,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-) -> float:
-    """An asynchronous sharded save of ``model`` and ``optimizer`` (over 64 MiB: written by the saver's helper process
-    from a shared block, page-locked for device copies) holds the state at the moment of the call, though the model
-    trains on at once, and loads into a fresh model and optimizer exactly; return the seconds the second save blocked.
-    ``model`` and ``optimizer`` train on by a step."""
+    A synchronous save stages device tensors through pinned memory, one tensor's copy ahead of the write. An
+    asynchronous one (over 64 MiB: written by the saver's helper process from a shared block, page-locked for
+    device copies) holds the state at the moment of the call, though the model trains on by a step at once."""
     with tempfile.TemporaryDirectory() as directory:
         saver = ShardedSaver(directory)
-        checkpoint = Checkpoint({"model": model, "optimizer": optimizer}, saver, async_save=True)
+        checkpoint = Checkpoint({"model": model, "optimizer": optimizer}, saver, async_save=asynchronous)
         engine = Engine(lambda e, b: None)
-        checkpoint(engine)  # the first save starts the helper and makes the block
+        checkpoint(engine)  # the first save warms up the pinned memory, and starts the helper
         checkpoint.wait()
         engine.state.iteration = 1
         expected = _gather(model, optimizer)
@@ -314,16 +290,17 @@ def _check_async(
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         checkpoint(engine)
-        blocked = time.perf_counter() - start
-        _train(model, optimizer, range(5, 6), device)  # while the save is written
-        checkpoint.wait()
-        assert saver.kept.write_process.pid is not None, "the helper process wrote no file"
-        torch.manual_seed(3)
+        seconds = time.perf_counter() - start
+        if asynchronous:
+            _train(model, optimizer, range(5, 6), device)  # while the save is written
+            checkpoint.wait()
+            assert saver.kept.write_process.pid is not None, "the helper process wrote no file"
+        torch.manual_seed(2)
         other = shard(_Net().to("cpu" if offloaded else device), device)
         other_optimizer = _adam(other)
         Checkpoint.load_objects({"model": other, "optimizer": other_optimizer}, checkpoint.last_checkpoint)
         _assert_same(_gather(other, other_optimizer), expected)
-    return blocked
+    return seconds
 
 
 # --------------------------------------------------------------------------------------------------
