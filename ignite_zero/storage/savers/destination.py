@@ -8,6 +8,7 @@ import collections
 import contextlib
 import errno
 import logging
+import os
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -19,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from ignite_zero import _compat, tree
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.naming import check_filename
-from ignite_zero.storage.places import Place, place_of
+from ignite_zero.storage.places import LocalPlace, Place, place_of
 from ignite_zero.storage.savers.base import Saver
 
 __all__ = [
@@ -168,7 +169,7 @@ class DirectorySaver(Saver):
     def writing(self, filename: str) -> Iterator[None]:
         """Mark the checkpoint ``filename`` as written by this process while the block runs, so that the cleanup of
         another saver of this directory leaves its temporaries alone."""
-        key = (str(self.place), filename)
+        key = (self._where(), filename)
         with _writing_lock:
             _writing[key] += 1
         try:
@@ -179,14 +180,20 @@ class DirectorySaver(Saver):
                 if not _writing[key]:
                     del _writing[key]
 
+    def _where(self) -> str:
+        """The directory, the same for every saver of it however its path was spelled (relative, through a link)."""
+        place = self.place
+        return os.path.realpath(place.path) if isinstance(place, LocalPlace) else str(place)
+
     def _remove_temporaries(self) -> dict[str, bool]:
         """Remove what interrupted saves left; return what the directory holds then (names, whether directories).
 
         The live writers of this directory are this process's saves alone: what those write now (:meth:`writing`)
         stays.
         """
+        where = self._where()
         with _writing_lock:
-            writing = {name for place, name in _writing if place == str(self.place)}
+            writing = {name for place, name in _writing if place == where}
         entries = self.place.entries()
         for name in self.place.leftovers(entries, writing):
             self.place.remove(name)

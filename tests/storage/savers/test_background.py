@@ -264,7 +264,7 @@ def test_asynchronous_handlers_created_in_another_order_on_each_rank_pair_by_wha
         assert listing == {"first": ["optimizer_4.pt"], "second": ["optimizer_4.pt"]}
 
 
-def _two_handlers_one_directory(rank, world_size, dirname, mode):
+def _two_handlers_one_directory(rank, world_size, dirname, alias, mode):
     from ignite_zero.storage import places
     from ignite_zero.storage.savers.sharded_commit import ShardedCommit
 
@@ -301,7 +301,7 @@ def _two_handlers_one_directory(rank, world_size, dirname, mode):
     saver = ShardedSaver if mode == "sharded" else DiskSaver
     to_save = {"model": model, "optimizer": optimizer}
     first = Checkpoint(to_save, saver(dirname, require_empty=False), filename_prefix="first", async_save=True)
-    second = Checkpoint(to_save, saver(dirname, require_empty=False), filename_prefix="second")
+    second = Checkpoint(to_save, saver(alias, require_empty=False), filename_prefix="second")  # spelled otherwise
     first(trainer)
     if mode == "sharded" or rank == 0:  # a consolidated file is written by the recipient alone
         assert begun.wait(60)
@@ -315,7 +315,10 @@ def _two_handlers_one_directory(rank, world_size, dirname, mode):
 def test_two_handlers_of_one_directory_leave_each_others_writes_alone(tmp_path, mode):
     ext = "dcp" if mode == "sharded" else "pt"
     names = [f"first_checkpoint_0.{ext}", f"second_checkpoint_0.{ext}"]
-    for listing in run_ranks(_two_handlers_one_directory, 2, tmp_path, mode, timeout=90):
+    directory, alias = tmp_path / "run", tmp_path / "alias"
+    directory.mkdir()
+    alias.symlink_to(directory)
+    for listing in run_ranks(_two_handlers_one_directory, 2, directory, alias, mode, timeout=90):
         assert listing == names
     for name in names:
-        (verify if mode == "sharded" else verify_file)(tmp_path / name)
+        (verify if mode == "sharded" else verify_file)(directory / name)
