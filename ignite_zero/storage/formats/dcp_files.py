@@ -217,7 +217,8 @@ class PlaceStorageWriter(StorageWriter):
 
     Attributes:
         written: each file this rank wrote, by name: its size and CRC-32.
-        records: each file's entries, by name (see :class:`EntryRecord`).
+        record_tables: each file's entries, by name, as a
+            :func:`~ignite_zero.storage.formats.dcp_entries.record_table` (what travels to the rank that seals).
     """
 
     def __init__(self, place: Place, thread_count: int = 1) -> None:
@@ -225,11 +226,16 @@ class PlaceStorageWriter(StorageWriter):
         self.place = place
         self.thread_count = thread_count
         self.written: dict[str, tuple[int, int]] = {}
-        self.records: dict[str, list[EntryRecord]] = {}
+        self.record_tables: dict[str, np.ndarray] = {}
         self.rank: int | None = None
         self.use_collectives = True
         self.metadata_file: MetadataFile | None = None
         self.save_id = uuid.uuid4().hex
+
+    @property
+    def records(self) -> dict[str, list[EntryRecord]]:
+        """Each file's entries, by name (see :class:`EntryRecord`), as a reader takes them."""
+        return {name: list(map(EntryRecord._make, table.tolist())) for name, table in self.record_tables.items()}
 
     def reset(self, checkpoint_id: str | os.PathLike | Place | None = None) -> None:
         if isinstance(checkpoint_id, Place):
@@ -237,7 +243,7 @@ class PlaceStorageWriter(StorageWriter):
         elif checkpoint_id is not None and str(checkpoint_id) != str(self.place.location()):
             self.place = place_of(checkpoint_id, self.place.storage_options)
         self.written.clear()
-        self.records.clear()
+        self.record_tables.clear()
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -309,7 +315,7 @@ class PlaceStorageWriter(StorageWriter):
         if len(written.records) != len(ordered):
             raise RuntimeError(f"{name}: {len(written.records)} entries written for {len(ordered)} items")
         self.written[name] = (written.size, written.crc)
-        self.records[name] = list(map(EntryRecord._make, written.records.tolist()))
+        self.record_tables[name] = written.records
         return PlacedFile(name, ordered, written)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -325,7 +331,7 @@ class PlaceStorageWriter(StorageWriter):
         self.place.write(METADATA, lambda f: f.write(content))
         crc = zlib_ng.crc32(content)
         self.written[METADATA] = (len(content), crc)
-        self.records[METADATA] = [EntryRecord(0, len(content), crc, 0, crc)]
+        self.record_tables[METADATA] = record_table([EntryRecord(0, len(content), crc, 0, crc)])
 
     def storage_meta(self) -> StorageMeta:
         return StorageMeta(checkpoint_id=str(self.place.location()), save_id=self.save_id)

@@ -28,7 +28,6 @@ from ignite_zero.agreement import (
 from ignite_zero.staging import HostBuffers
 from ignite_zero.storage import replicas as replicas_
 from ignite_zero.storage.formats import directory as sharded
-from ignite_zero.storage.formats.dcp_entries import record_table
 from ignite_zero.storage.formats.dcp_files import FileWritten, write_entries
 from ignite_zero.storage.formats.dcp_plans import Offer, SavePlanning, StagedPart, WrittenPart
 from ignite_zero.storage.places import LocalPlace, Place
@@ -69,7 +68,7 @@ class FilesReport(NamedTuple):
 
     #: its files
     written: Files
-    #: the records of each of its files, for the manifest (each a :func:`record_table`)
+    #: the records of each of its files, for the manifest (each a table: quick to pickle)
     records: dict[str, Any]
     #: the files its relay received from ranks on other hosts
     received: Files
@@ -363,8 +362,7 @@ class ShardedCommit:
         # without replicas, only the writing rank needs every rank's files (with replicas, every rank checks them)
         writing = self.saver.save_on_rank
         sealer = writing if self.kept.replica_hosts is None and writing in self.members else None
-        records = {name: record_table(entries) for name, entries in self.writer.records.items()}  # quick to pickle
-        payload = FilesReport(dict(self.writer.written), records, received)
+        payload = FilesReport(dict(self.writer.written), dict(self.writer.record_tables), received)
         try:
             return settle(failure, what=f"sharded save of {self.filename}", payload=payload, to=sealer, **self._round())
         except Exception:
