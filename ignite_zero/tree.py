@@ -57,16 +57,18 @@ def map_tree(
 def leaves(tree: Any, *, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[Path, Any]]:
     """Every ``(path, leaf)`` of ``tree``, depth first, in order."""
     found: list[tuple[Path, Any]] = []
-
-    def walk(node: Any, path: Path) -> None:  # not through map_tree: no tree of the same shape is built
-        if not _is_container(node) or (is_leaf is not None and is_leaf(node)):
-            found.append((path, node))
-            return
-        for key, value in node.items() if isinstance(node, Mapping) else enumerate(node):
-            walk(value, (*path, key))
-
-    walk(tree, ())
+    _walk(tree, (), is_leaf, found)
     return found
+
+
+def _walk(node: Any, path: Path, is_leaf: Callable[[Any], bool] | None, found: list[tuple[Path, Any]]) -> None:
+    # not through map_tree: no tree of the same shape is built; and no closure that calls itself, which would hold
+    # every leaf found until the collector's next pass
+    if not _is_container(node) or (is_leaf is not None and is_leaf(node)):
+        found.append((path, node))
+        return
+    for key, value in node.items() if isinstance(node, Mapping) else enumerate(node):
+        _walk(value, (*path, key), is_leaf, found)
 
 
 def get(tree: Any, path: Path) -> Any:

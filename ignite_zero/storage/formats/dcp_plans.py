@@ -88,29 +88,36 @@ def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[s
     """
     flat: dict[str, Any] = {}
     paths: dict[str, tuple[str | int, ...]] = {}
-
-    def walked(value: list[Any]) -> bool:
-        for item in value:
-            if isinstance(item, (Mapping, torch.Tensor)) or (isinstance(item, list) and walked(item)):
-                return True
-        return False
-
-    def visit(path: tuple[str | int, ...], value: Any) -> bool:
-        if isinstance(value, dict):
-            return all(visit((*path, str(key)), item) for key, item in value.items())
-        if isinstance(value, list) and walked(value):
-            return all(visit((*path, index), item) for index, item in enumerate(value))
-        if isinstance(value, Mapping) or hasattr(value, "local_shards"):
-            return False
-        key = ".".join(map(str, path))
-        if key in flat:
-            return False
-        flat[key], paths[key] = value, path
-        return True
-
-    if not all(visit((str(key),), value) for key, value in state.items()):
+    if not all(_visit((str(key),), value, flat, paths) for key, value in state.items()):
         return None
     return flat, paths
+
+
+# Functions of the module, not closures of flatten's: a closure that calls itself would hold the flat state, every
+# tensor of it, until the collector's next pass.
+def _visit(
+    path: tuple[str | int, ...], value: Any, flat: dict[str, Any], paths: dict[str, tuple[str | int, ...]]
+) -> bool:
+    """Put ``value`` at ``path`` in ``flat`` and ``paths`` as :func:`flatten` does; ``False`` where it cannot."""
+    if isinstance(value, dict):
+        return all(_visit((*path, str(key)), item, flat, paths) for key, item in value.items())
+    if isinstance(value, list) and _walked(value):
+        return all(_visit((*path, index), item, flat, paths) for index, item in enumerate(value))
+    if isinstance(value, Mapping) or hasattr(value, "local_shards"):
+        return False
+    key = ".".join(map(str, path))
+    if key in flat:
+        return False
+    flat[key], paths[key] = value, path
+    return True
+
+
+def _walked(value: list[Any]) -> bool:
+    """Whether DCP walks the list ``value``: it holds a tensor, a mapping, or such a list."""
+    for item in value:
+        if isinstance(item, (Mapping, torch.Tensor)) or (isinstance(item, list) and _walked(item)):
+            return True
+    return False
 
 
 def _state_layout(planner: DefaultSavePlanner) -> tuple[list[Any] | None, int]:

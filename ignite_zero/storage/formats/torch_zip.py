@@ -182,6 +182,11 @@ def _lone_tensor_layout(obj: Any) -> tuple[Any, ...] | None:
     )
 
 
+def _reduce_tensor(protocol: int, tensor: torch.Tensor) -> Any:
+    reduced = _compat.reduce_plain_tensor(tensor)
+    return tensor.__reduce_ex__(protocol) if reduced is None else reduced
+
+
 class _Pickler(pickle.Pickler):
     """``torch.save``'s pickle: storages become references ``("storage", type, key, location, numel)``, keys
     numbered in the order met; plain tensors are reduced as torch reduces them, with fewer steps
@@ -190,12 +195,9 @@ class _Pickler(pickle.Pickler):
     def __init__(self, file: IO[bytes], protocol: int) -> None:
         super().__init__(file, protocol=protocol)
         self.storages: dict[int, tuple[str, torch.UntypedStorage]] = {}
-        self._protocol = protocol
-        self.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: self._reduce_tensor}
-
-    def _reduce_tensor(self, tensor: torch.Tensor) -> Any:
-        reduced = _compat.reduce_plain_tensor(tensor)
-        return tensor.__reduce_ex__(self._protocol) if reduced is None else reduced
+        # no method of its own in its table: a pickler that refers to itself lives until the collector's next pass,
+        # and with it every object it pickled (ten a tensor) and every storage
+        self.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: functools.partial(_reduce_tensor, protocol)}
 
     def persistent_id(self, obj: Any) -> Any:
         saved = obj if type(obj) is _compat.SavedStorage else _compat.saved_storage(obj)
