@@ -86,7 +86,21 @@ def saved_storage(obj: Any) -> SavedStorage | None:
         storage, storage_type, numel = obj, torch.UntypedStorage, obj.nbytes()
     else:
         return None
-    return SavedStorage(storage, storage._cdata, storage_type, numel, torch.serialization.location_tag(storage))
+    return SavedStorage(storage, storage._cdata, storage_type, numel, location_of(storage))
+
+
+# torch.serialization.location_tag asks each registered device type in turn: a few microseconds for each of the
+# thousands of storages of a state, for an answer that depends on the device alone.
+_LOCATIONS: dict[torch.device, str] = {}
+
+
+def location_of(storage: torch.UntypedStorage) -> str:
+    """``torch.serialization.location_tag(storage)``: the device as ``torch.load``'s ``map_location`` names it."""
+    device = storage.device
+    location = _LOCATIONS.get(device)
+    if location is None:
+        location = _LOCATIONS[device] = torch.serialization.location_tag(storage)
+    return location
 
 
 def storage_alignment() -> int:
@@ -134,7 +148,7 @@ def reduce_plain_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]] | N
         storage._cdata,
         storage_type,
         storage.nbytes() // dtype.itemsize,
-        torch.serialization.location_tag(storage),
+        location_of(storage),
     )
     args: tuple[Any, ...] = (
         saved,

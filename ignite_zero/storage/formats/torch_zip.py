@@ -26,12 +26,14 @@ or its offset do not fit, the zip64 end record, always written, holds them.
 
 from __future__ import annotations
 
+import collections
 import copyreg
 import functools
 import io
 import pickle
 import struct
 import sys
+import types
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, NamedTuple
@@ -125,8 +127,9 @@ def tensor_bytes(tensor: torch.Tensor | torch.UntypedStorage) -> memoryview:
             return memoryview(array).cast("B")
         except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16...), conjugate or negative bits
             flat = tensor.detach().reshape(-1)
-    else:
-        flat = _storage_tensor(tensor)
+    else:  # a flat uint8 array: its view is one of bytes already
+        array = _storage_tensor(tensor).numpy()
+        return memoryview(array)
     array = flat.view(torch.uint8).numpy()
     return memoryview(array).cast("B")
 
@@ -182,6 +185,12 @@ def _lone_tensor_layout(obj: Any) -> tuple[Any, ...] | None:
     )
 
 
+# Types of what a state holds besides its tensors, which the pickler asks about one by one (twenty objects a tensor).
+_NEVER_STORAGES = frozenset(
+    {str, int, float, bool, type(None), tuple, list, dict, collections.OrderedDict, bytes, types.FunctionType}
+)
+
+
 def _reduce_tensor(protocol: int, tensor: torch.Tensor) -> Any:
     reduced = _compat.reduce_plain_tensor(tensor)
     return tensor.__reduce_ex__(protocol) if reduced is None else reduced
@@ -200,7 +209,10 @@ class _Pickler(pickle.Pickler):
         self.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: functools.partial(_reduce_tensor, protocol)}
 
     def persistent_id(self, obj: Any) -> Any:
-        saved = obj if type(obj) is _compat.SavedStorage else _compat.saved_storage(obj)
+        kind = type(obj)
+        if kind in _NEVER_STORAGES:  # asked of every object pickled: most are these
+            return None
+        saved = obj if kind is _compat.SavedStorage else _compat.saved_storage(obj)
         if saved is None:
             return None
         key, _ = self.storages.setdefault(saved.identity, (str(len(self.storages)), saved.storage))
