@@ -180,16 +180,21 @@ def _check_cover(key: tuple[Any, ...], boxes: list[Box], space: tuple[int, ...],
     Raises:
         RuntimeError: naming the tensor, the boxes and how the ranks hold it.
     """
-    described = sorted(str(layout) for layout in layouts if layout is not None)
-    held = f" (held as {', '.join(described)})" if described else ""
     overlapping = _first_overlap(boxes)
     if overlapping is not None:
         a, b = overlapping
+        held = _held(layouts)
         hint = "; is each rank's local tensor one block of the full tensor?" if held else ""
         raise RuntimeError(f"Pieces of {_name(key)} overlap: {boxes[a]} and {boxes[b]}{held}{hint}")
     covered = sum(box.numel for box in boxes)
     if covered != math.prod(space):
-        raise RuntimeError(f"Pieces of {_name(key)} cover {covered} of its {math.prod(space)} elements{held}")
+        raise RuntimeError(f"Pieces of {_name(key)} cover {covered} of its {math.prod(space)} elements{_held(layouts)}")
+
+
+def _held(layouts: set[Any]) -> str:
+    """How the ranks hold a tensor, for an error: described only then, since a save checks thousands of tensors."""
+    described = sorted(str(layout) for layout in layouts if layout is not None)
+    return f" (held as {', '.join(described)})" if described else ""
 
 
 # Up to this many boxes of a tensor are compared pair by pair in Python; more at once, vectorised: building tensors
@@ -250,30 +255,43 @@ def _choose_sources(
     regions: dict[tuple[Any, ...], Region] = {}
     sends: list[list[int]] = [[] for _ in manifests]
     load = [0] * len(manifests)  # bytes each rank sends
+    # Checks already passed, by what they depend on: a model's layers are alike, and their tensors' layouts and
+    # blocks repeat, so that a save of thousands of tensors checks each kind once.
+    layouts_checked: set[tuple[int, ...]] = set()
+    covers_checked: set[tuple[Box, ...]] = set()
     for key in order:
         candidates = by_key.get(key)
         if not candidates:
             continue
         first = regions[key] = candidates[0][2]
         for r, _, region in candidates:
-            if (region.box.shape, region.dtype) != (first.box.shape, first.dtype):
+            if region.box.shape != first.box.shape or region.dtype != first.dtype:
                 raise RuntimeError(
                     f"Ranks disagree on {_name(key)}: shape {region.box.shape} and {region.dtype} on rank {r}, "
                     f"{first.box.shape} and {first.dtype} on rank {candidates[0][0]}"
                 )
-        _check_layouts(key, candidates)
+        layouts = tuple(id(region.layout) for _, _, region in candidates)  # the manifests hold them meanwhile
+        if layouts not in layouts_checked:
+            _check_layouts(key, candidates)
+            layouts_checked.add(layouts)
+        if candidates[0][0] == root and first.box.is_whole:  # the root holds it whole: nothing else to choose
+            chosen[key] = [(root, candidates[0][1])] if first.box.numel else []
+            continue
         whole = [c for c in candidates if c[2].box.is_whole]
         replicas: dict[Box, list[tuple[int, int]]] = {}
         for r, i, region in whole or candidates:
             if region.box.numel:
                 replicas.setdefault(region.box, []).append((r, i))
-        spaces = {box.space for box in replicas}
-        if len(spaces) > 1:
-            raise RuntimeError(f"Ranks disagree on {_name(key)}: some hold flat ranges of it, others blocks")
-        _check_cover(key, list(replicas), first.box.space, {c[2].layout for c in candidates})
+        boxes = tuple(replicas)
+        if boxes not in covers_checked:
+            if len({box.space for box in boxes}) > 1:
+                raise RuntimeError(f"Ranks disagree on {_name(key)}: some hold flat ranges of it, others blocks")
+            _check_cover(key, list(boxes), first.box.space, {c[2].layout for c in candidates})
+            covers_checked.add(boxes)
         picked = []
         for box, holders in replicas.items():
-            r, i = next(((r, i) for r, i in holders if r == root), None) or min(holders, key=lambda h: load[h[0]])
+            # ranks were met root first: the root's own replica, if it holds one, leads
+            r, i = holders[0] if holders[0][0] == root else min(holders, key=lambda h: load[h[0]])
             load[r] += box.numel * first.dtype.itemsize
             picked.append((r, i))
         chosen[key] = sorted(picked)
