@@ -41,6 +41,9 @@ __all__ = ["Overlap"]
 # message (a larger one goes in place): a small share of what the other ranks send at a consolidated save.
 _SLOTS = 4
 _SLOT_BYTES = DEFAULT_CHUNK_BYTES
+# Copies of at least this many bytes are deferred (Overlap.defer_copy); below it, the copy costs less than the
+# bookkeeping, which a state of thousands of small tensors pays for each of them.
+_DEFERRED_BYTES = 64 << 10
 
 
 def _overlaps(destination: torch.Tensor, memory: tuple[int, int] | None) -> bool:
@@ -286,7 +289,10 @@ class Overlap:
         """``target.copy_(source)`` (same shape), deferred where both are single runs of CPU memory of one dtype: a
         saver that writes ``target``'s bytes takes them from ``source`` itself (:meth:`bytes_of`), and :meth:`finish`
         copies them for any other, so that a rank's own shard is written from where it is, never copied. ``source``
-        must stay as it is until then."""
+        must stay as it is until then. A small one is copied at once: its copy costs less than keeping track of it."""
+        if target.numel() * target.element_size() < _DEFERRED_BYTES:
+            target.copy_(source)
+            return
         if not (is_direct(target) and is_direct(source) and target.dtype == source.dtype):
             target.copy_(source)
             return

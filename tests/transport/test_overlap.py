@@ -29,6 +29,22 @@ def test_overlap_waits_only_for_memory_still_to_arrive():
     overlap.finish()
 
 
+def test_a_large_own_part_is_written_from_where_it_is_and_a_small_one_copied():
+    # a consolidated save writes the recipient's own shards from where they lie rather than copy them into the
+    # result; a small one is copied at once instead, which costs less than keeping track of it
+    large_source, small_source = torch.arange(2**15, dtype=torch.float32), torch.arange(16, dtype=torch.float32)
+    large, small = torch.zeros(2**15), torch.zeros(16)  # 128 KiB, and 64 bytes
+    overlap = Overlap()
+    overlap.defer_copy(large, large_source)
+    overlap.defer_copy(small, small_source)
+    assert torch.equal(small, small_source) and not large.any()  # the large one left where it is
+    parts = overlap.bytes_of(large.data_ptr(), large.view(torch.uint8).numpy().data.cast("B"))
+    assert b"".join(parts) == large_source.numpy().tobytes()
+    assert [torch.frombuffer(part, dtype=torch.uint8).data_ptr() for part in parts] == [large_source.data_ptr()]
+    overlap.finish()  # for a saver that reads the result itself: copied there now
+    assert torch.equal(large, large_source)
+
+
 def _sent(count=8, numel=2**19):
     """What rank 1 sends: tensors of 2 MiB, each in messages of its own (two of 1 MiB)."""
     generator = torch.Generator().manual_seed(3)
