@@ -76,17 +76,19 @@ class Stager:
             name: which buffers to use: one set per object saved.
         """
         structure, tensors = split_tensors(state)
-        copies = [self._copy(name, index, tensor.detach()) for index, tensor in enumerate(tensors)]
-        if any(tensor.device.type == "cuda" for tensor in tensors):
+        buffers = [self._buffer(name, index, tensor) for index, tensor in enumerate(tensors)]
+        accelerated = any(tensor.device.type == "cuda" for tensor in tensors)
+        _compat.copy_each(buffers, tensors, non_blocking=accelerated)  # one call: thousands of small copies
+        if accelerated:
             torch.cuda.synchronize()  # the copies were issued without blocking, one after the other
-        return join_tensors(structure, copies)
+        return join_tensors(structure, buffers)
 
-    def _copy(self, name: str, index: int, tensor: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, name: str, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """The kept buffer of ``tensor``, the ``index``-th of ``name``'s; a new one where its shape or dtype changed."""
         buffer = self._buffers.get((name, index))
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             pin = tensor.device.type == "cuda"
             buffer = self._buffers[(name, index)] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-        buffer.copy_(tensor, non_blocking=tensor.device.type == "cuda")
         return buffer
 
 
