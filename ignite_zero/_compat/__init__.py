@@ -64,7 +64,12 @@ from ignite_zero._compat.fsdp1 import (
 )
 from ignite_zero._compat.ignite_engine import add_first_event_handler
 from ignite_zero._compat.ignite_events import CheckpointEvents
-from ignite_zero._compat.modules import EXTRA_STATE_KEY, TORCH_WRAPPER_SEGMENTS, non_persistent_buffer_names
+from ignite_zero._compat.modules import (
+    EXTRA_STATE_KEY,
+    TORCH_WRAPPER_SEGMENTS,
+    load_module_state,
+    non_persistent_buffer_names,
+)
 from ignite_zero._compat.process_groups import default_store
 from ignite_zero._compat.serialization import (
     SavedStorage,
@@ -124,6 +129,7 @@ __all__ = [
     "is_fairscale_fsdp",
     "is_fairscale_fsdp_param",
     "is_fsdp_flattened",
+    "load_module_state",
     "non_persistent_buffer_names",
     "reduce_plain_tensor",
     "saved_storage",

@@ -169,7 +169,7 @@ def plan_model_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
             plan.copy(current, value)
             value = current
         to_load[raw_name] = value
-    plan.call(lambda values: module.load_state_dict(values, strict=strict), to_load)
+    plan.call(lambda values: _compat.load_module_state(module, values, strict=strict), to_load)
     return plan
 
 
@@ -229,7 +229,7 @@ def load_sharded_model(module: nn.Module, state: Mapping[str, Any]) -> None:
     """Load :func:`sharded_model_state`'s form through ``module.load_state_dict`` (strict), under the module's own
     names, as torch's ``set_model_state_dict`` does."""
     own_names = {clean_name(name): name for name in module.state_dict(keep_vars=True)}
-    module.load_state_dict({own_names.get(name, name): value for name, value in state.items()})
+    _compat.load_module_state(module, {own_names.get(name, name): value for name, value in state.items()})
 
 
 def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

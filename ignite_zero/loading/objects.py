@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ignite_zero import collector, transport, tree
+from ignite_zero import _compat, collector, transport, tree
 from ignite_zero.adapters import ShardedState, adapt, deferred, in_loadable_form
 from ignite_zero.agreement import Hosts, hosts_of_ranks, rank_and_world, settle, together
 from ignite_zero.loading.entries import ShardedEntry, entries_for, entries_of
@@ -284,7 +284,10 @@ def _load_entry(obj: Any, entry: Any, kwargs: Mapping) -> None:
         obj.load_sharded(entry.state)
     elif isinstance(obj, nn.Module) and isinstance(entry, Mapping):
         _read_into_module(obj, entry)
-        obj.load_state_dict(entry, **kwargs)
+        if kwargs.keys() <= {"strict"}:
+            _compat.load_module_state(obj, entry, **kwargs)
+        else:  # assign=True...: nn.Module's own
+            obj.load_state_dict(entry, **kwargs)
     else:
         obj.load_state_dict(deferred.realize_all(entry), **_module_kwargs(obj, kwargs))
 
