@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorStorageMetadata,
 )
 
@@ -322,16 +321,21 @@ def _check_bounds(place: Place, metadata: Metadata) -> None:
     sizes = place.file_sizes()
     where = place.location(METADATA)
     spans: dict[str, list[tuple[int, int, str]]] = {}
+    # each entry's length by its name and offsets, what DCP's MetadataIndex compares: a tuple hashes and compares at a
+    # fraction of that dataclass's cost, paid for each of thousands of entries
+    lengths: dict[tuple[str, Sequence[int] | None], int] = {}
     for index, info in metadata.storage_data.items():
+        offset, length, path = info.offset, info.length, info.relative_path
         # a file this host lacks (one host's directory of a replicated checkpoint) bounds nothing here: it is read
         # from where it lies, or a load that needs it fails
-        size = sizes.get(info.relative_path, info.offset + info.length)
-        if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
+        size = sizes.get(path, offset + length)
+        if offset < 0 or length < 0 or offset + length > size:
             raise IntegrityError(
-                f"{where} places entry {index.fqn} at [{info.offset}, {info.offset + info.length}) of "
-                f"{info.relative_path}, which has {size} bytes: corrupt or forged"
+                f"{where} places entry {index.fqn} at [{offset}, {offset + length}) of {path}, which has {size} "
+                "bytes: corrupt or forged"
             )
-        spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, index.fqn))
+        spans.setdefault(path, []).append((offset, offset + length, index.fqn))
+        lengths[(index.fqn, index.offset)] = length  # a torch.Size, as a tuple; None for an object
     for name, found in spans.items():
         found.sort()
         for (_, end, first), (start, _, second) in zip(found, found[1:]):
@@ -343,13 +347,13 @@ def _check_bounds(place: Place, metadata: Metadata) -> None:
         itemsize = storage.properties.dtype.itemsize
         held = 0
         for chunk in storage.chunks:
-            info = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
+            entry_length = lengths.get((fqn, tuple(chunk.offsets)))
             inside = all(
                 0 <= offset and 0 <= length and offset + length <= extent
                 for offset, length, extent in zip(chunk.offsets, chunk.sizes, storage.size)
             )
             nbytes = math.prod(chunk.sizes) * itemsize
-            if info is None or not inside or len(chunk.sizes) != len(storage.size) or nbytes > info.length:
+            if entry_length is None or not inside or len(chunk.sizes) != len(storage.size) or nbytes > entry_length:
                 raise IntegrityError(f"{where}: a chunk of tensor {fqn} lies outside it or its entry (corrupt, forged)")
             held += nbytes
         if any(extent < 0 for extent in storage.size) or math.prod(storage.size) * itemsize > held:
