@@ -274,7 +274,8 @@ def _choose_sources(
         if layouts not in layouts_checked:
             _check_layouts(key, candidates)
             layouts_checked.add(layouts)
-        if candidates[0][0] == root and first.box.is_whole:  # the root holds it whole: nothing else to choose
+        if candidates[0][0] == root and first.box.is_whole and all(c[2].box.flat == first.box.flat for c in candidates):
+            # the root holds it whole, and no rank holds it in another form: nothing else to check or choose
             chosen[key] = [(root, candidates[0][1])] if first.box.numel else []
             continue
         whole = [c for c in candidates if c[2].box.is_whole]
