@@ -463,6 +463,8 @@ def test_blocks_that_overlap_leave_gaps_or_disagree_are_errors() -> None:
         regions_module._choose_sources(manifests(Box((4, 4), (0, 0), (2, 4)), Box((4, 4), (2, 0), (2, 2))), 0)
     with pytest.raises(RuntimeError, match=r"some hold flat ranges of it, others blocks"):
         regions_module._choose_sources(manifests(Box((4, 4), (0, 0), (2, 4)), Box.range((4, 4), 8, 8)), 0)
+    with pytest.raises(RuntimeError, match=r"some hold flat ranges of it, others blocks"):  # the root's whole too
+        regions_module._choose_sources(manifests(Box.whole((4, 4)), Box.range((4, 4), 0, 16)), 0)
 
     class Layout(NamedTuple):
         ranks: tuple[int, ...]
