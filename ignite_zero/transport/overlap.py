@@ -290,10 +290,8 @@ class Overlap:
         saver that writes ``target``'s bytes takes them from ``source`` itself (:meth:`bytes_of`), and :meth:`finish`
         copies them for any other, so that a rank's own shard is written from where it is, never copied. ``source``
         must stay as it is until then. A small one is copied at once: its copy costs less than keeping track of it."""
-        if target.numel() * target.element_size() < _DEFERRED_BYTES:
-            target.copy_(source)
-            return
-        if not (is_direct(target) and is_direct(source) and target.dtype == source.dtype):
+        small = target.numel() * target.element_size() < _DEFERRED_BYTES
+        if small or not (is_direct(target) and is_direct(source) and target.dtype == source.dtype):
             target.copy_(source)
             return
         start = target.data_ptr()
