@@ -11,6 +11,7 @@ class comes from it, since the import is slow.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,10 +74,22 @@ def fairscale_version() -> str:
 def is_fairscale_fsdp(module: Any) -> bool:
     """Whether ``module`` is a fairscale ``FullyShardedDataParallel`` (subclasses included); imports fairscale only
     for objects with a class from a ``fairscale.`` module among their bases."""
-    if not any(cls.__module__.startswith("fairscale.") for cls in type(module).__mro__):
+    if not _from_fairscale(type(module)):
         return False
     cls = fairscale_fsdp_class()
     return cls is not None and isinstance(module, cls)
+
+
+# By class, as long as the class lives: every save asks it of each of a model's modules, which share a few classes.
+_fairscale_classes: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _from_fairscale(cls: type) -> bool:
+    """Whether a class from a ``fairscale.`` module is among the bases of ``cls``."""
+    known = _fairscale_classes.get(cls)
+    if known is None:
+        known = _fairscale_classes[cls] = any(base.__module__.startswith("fairscale.") for base in cls.__mro__)
+    return known
 
 
 def is_fairscale_fsdp_param(tensor: Any) -> bool:
