@@ -196,12 +196,23 @@ def param_layouts(module: nn.Module) -> dict[int, ParamLayout]:
 
 
 def _names_by_id(module: nn.Module) -> dict[int, str]:
-    reshard(module)
     return {id(param): clean_name(name) for name, param in module.named_parameters()}
+
+
+def _optimizer_param_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each parameter of ``optimizer``, in the order of its parameter groups (that of the indices of its
+    ``state_dict()``)."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    names = _names_by_id(module)
+    if not all(id(param) in names for param in params):
+        reshard(module)  # only then: kept unsharded after a forward, it shows other parameters than its optimizer's
+        names = _names_by_id(module)
+    return [names[id(param)] for param in params]
 
 
 def param_names(module: nn.Module) -> set[str]:
     """The names of every parameter an optimizer of ``module`` may hold state for (a tied one's first name)."""
+    reshard(module)
     return set(_names_by_id(module).values())
 
 
@@ -236,8 +247,7 @@ def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer)
     """``optimizer.state_dict()`` keyed by parameter names: this rank's part of the state (DTensors laid out like
     the parameters), as torch's ``get_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=False))``
     gives it for an optimizer that has state."""
-    names = _names_by_id(module)
-    by_index = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    by_index = _optimizer_param_names(module, optimizer)
     indexed = optimizer.state_dict()
     return {
         "state": {by_index[index]: value for index, value in indexed["state"].items()},
@@ -256,14 +266,14 @@ def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, 
     Raises:
         ValueError: a parameter group of the optimizer holds parameters that no saved group holds exactly.
     """
-    names = _names_by_id(module)
+    names = _optimizer_param_names(module, optimizer)
     saved_groups = state["param_groups"]
     group_of = {name: group for group in saved_groups for name in group["params"]}
     empty_groups = iter([group for group in saved_groups if not group["params"]])
     saved_state = state["state"]
     groups, by_index, start = [], {}, 0
     for position, group in enumerate(optimizer.param_groups):
-        own = [names[id(param)] for param in group["params"]]
+        own = names[start : start + len(group["params"])]
         saved = group_of.get(own[0]) if own else next(empty_groups, None)
         if saved is None or sorted(saved["params"]) != sorted(own):
             raise ValueError(

@@ -82,9 +82,9 @@ def owns_parameters(module: nn.Module, optimizer: torch.optim.Optimizer) -> bool
 
     This pairs an FSDP optimizer with its module whatever it holds: FSDP1's flat parameters
     (``use_orig_params=False``), its views of them (``use_orig_params=True``, which only the module can tell
-    from plain parameters) or FSDP2's ``DTensor`` parameters. FSDP2 modules are resharded first (locally), so
-    that a module kept unsharded after a forward (``reshard_after_forward=False``) shows the parameters its
-    optimizer holds.
+    from plain parameters) or FSDP2's ``DTensor`` parameters. Where the module does not show them all, its FSDP2
+    modules are resharded (locally) and it is asked again: a module kept unsharded after a forward
+    (``reshard_after_forward=False``) shows its unsharded parameters, not the ones its optimizer holds.
 
     Args:
         module: the model, FSDP or not.
@@ -101,9 +101,13 @@ def owns_parameters(module: nn.Module, optimizer: torch.optim.Optimizer) -> bool
 
     .. versionadded:: 0.1.0
     """
-    _fsdp2.reshard(module)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     owned = {id(p) for p in module.parameters()}
-    return all(id(p) in owned for group in optimizer.param_groups for p in group["params"])
+    if all(id(p) in owned for p in params):
+        return True
+    _fsdp2.reshard(module)  # each save asks: resharding every module costs more than the question
+    owned = {id(p) for p in module.parameters()}
+    return all(id(p) in owned for p in params)
 
 
 def holds_sharded_parameters(optimizer: torch.optim.Optimizer) -> bool:

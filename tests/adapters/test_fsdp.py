@@ -518,6 +518,14 @@ def _checks(rank: int, world_size: int) -> None:
     unsharded(torch.randn(2, 7))
     assert owns_parameters(unsharded, unsharded_optimizer)
     FSDPOptimizerState(unsharded, unsharded_optimizer).check()
+    # and its state named while it is unsharded: by the names of the parameters its optimizer holds
+    unsharded(torch.randn(2, 7)).sum().backward()
+    unsharded_optimizer.step()
+    unsharded(torch.randn(2, 7))
+    assert not all(isinstance(param, DTensor) for param in unsharded.parameters())
+    named_state = FSDPOptimizerState(unsharded, unsharded_optimizer).sharded_state_dict()["state"]
+    assert list(named_state) == [name for name, _ in Net().named_parameters()]
+    assert all(isinstance(state["exp_avg"], DTensor) for state in named_state.values())
 
     for adapter in (
         FSDPModelState(fsdp1, 1),
