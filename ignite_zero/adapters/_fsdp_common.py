@@ -38,6 +38,8 @@ __all__ = [
 
 def clean_name(name: str) -> str:
     """``name`` as in the unwrapped module's ``state_dict()``."""
+    if not any(segment in name for segment in _compat.TORCH_WRAPPER_SEGMENTS):  # most names: no need to split
+        return name
     return ".".join(part for part in name.split(".") if part not in _compat.TORCH_WRAPPER_SEGMENTS)
 
 
