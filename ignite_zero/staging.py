@@ -261,7 +261,7 @@ class HostBuffers:
 
     def copy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``tensors`` in the kept buffers (new ones where their shapes or dtypes changed)."""
-        accelerated = any(tensor.device.type != "cpu" for tensor in tensors)
+        accelerated = not all(tensor.is_cpu for tensor in tensors)
         layout = ([(tensor.shape, tensor.dtype) for tensor in tensors], accelerated)
         if layout != self._kept:
             self._buffers, self.block, self._kept = [], None, None  # the old buffers go before the new ones are made

@@ -33,6 +33,7 @@ from ignite_zero._compat.dcp import (
 from ignite_zero._compat.dtensor import (
     dtensor_block,
     dtensor_detached,
+    dtensor_layout,
     dtensor_local,
     dtensor_of_local,
     unsupported_placement,
@@ -114,6 +115,7 @@ __all__ = [
     "default_store",
     "dtensor_block",
     "dtensor_detached",
+    "dtensor_layout",
     "dtensor_local",
     "dtensor_of_local",
     "fairscale_fsdp_class",

@@ -14,7 +14,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["dtensor_block", "dtensor_detached", "dtensor_local", "dtensor_of_local", "unsupported_placement"]
+__all__ = [
+    "dtensor_block",
+    "dtensor_detached",
+    "dtensor_layout",
+    "dtensor_local",
+    "dtensor_of_local",
+    "unsupported_placement",
+]
 
 
 def dtensor_block(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -38,6 +45,14 @@ def dtensor_local(tensor: Any) -> Any:
     its autograd function (which costs more than a small tensor's save or load), nor the ``Parameter`` mark it gives
     a parameter's. For reading and copying its data and layout, not for a result that autograd should see."""
     return tensor._local_tensor
+
+
+def dtensor_layout(tensor: Any) -> tuple[Any, Any, Any]:
+    """The global layout of the DTensor ``tensor``: its shape, stride and dtype (one named tuple), its placements and
+    its mesh, read from its spec at once; ``shape``, ``stride()`` and ``dtype`` each pass through DTensor's handling
+    of tensor methods, which costs more than the rest of a small tensor's layout check."""
+    spec = tensor._spec
+    return spec.tensor_meta, spec.placements, spec.mesh
 
 
 def dtensor_detached(tensor: Any) -> Any:

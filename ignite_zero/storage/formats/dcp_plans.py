@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
@@ -66,12 +66,32 @@ class _LocalTensorSavePlanner(DefaultSavePlanner):
         self.state_dict, self.mappings = flattened
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        value = self.state_dict.get(index.fqn)
-        if type(value) is DTensor and not any(placement.is_partial() for placement in value.placements):
-            local = _compat.dtensor_local(value)
-            if type(local) is torch.Tensor:  # a tensor subclass may find its shard itself, as DCP lets it
-                return local
-        return super().lookup_object(index)
+        local = _local_data(self.state_dict.get(index.fqn))
+        return super().lookup_object(index) if local is None else local
+
+    def resolve_items(self, items: Sequence[WriteItem]) -> list[Any]:
+        """:meth:`resolve_data` of each of ``items``, in order, in one pass over them: what DCP's three calls an item
+        cost shows in a save of many small tensors."""
+        state = self.state_dict
+        resolved = []
+        for item in items:
+            local = None if item.type is WriteItemType.BYTE_IO else _local_data(state.get(item.index.fqn))
+            resolved.append(self.resolve_data(item) if local is None else local)
+        return resolved
+
+
+def _local_data(value: Any) -> torch.Tensor | None:
+    """The tensor whose data a tensor item of ``value`` writes, where that is a plain tensor (written whole) or the
+    local tensor of a DTensor whose placements have a layout; ``None`` where DCP's own lookup should find it."""
+    if type(value) is torch.Tensor:
+        return value
+    if type(value) is not DTensor:
+        return None
+    for placement in value.placements:
+        if placement.is_partial():
+            return None
+    local = _compat.dtensor_local(value)
+    return local if type(local) is torch.Tensor else None  # a tensor subclass may find its shard itself, as DCP lets it
 
 
 def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]]] | None:
@@ -88,24 +108,29 @@ def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[s
     """
     flat: dict[str, Any] = {}
     paths: dict[str, tuple[str | int, ...]] = {}
-    if not all(_visit((str(key),), value, flat, paths) for key, value in state.items()):
+    if not all(_visit((str(key),), str(key), value, flat, paths) for key, value in state.items()):
         return None
     return flat, paths
+
+
+# The tensors that make most of a state, known to be leaves without asking what they hold.
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, DTensor})
 
 
 # Functions of the module, not closures of flatten's: a closure that calls itself would hold the flat state, every
 # tensor of it, until the collector's next pass.
 def _visit(
-    path: tuple[str | int, ...], value: Any, flat: dict[str, Any], paths: dict[str, tuple[str | int, ...]]
+    path: tuple[str | int, ...], key: str, value: Any, flat: dict[str, Any], paths: dict[str, tuple[str | int, ...]]
 ) -> bool:
-    """Put ``value`` at ``path`` in ``flat`` and ``paths`` as :func:`flatten` does; ``False`` where it cannot."""
-    if isinstance(value, dict):
-        return all(_visit((*path, str(key)), item, flat, paths) for key, item in value.items())
-    if isinstance(value, list) and _walked(value):
-        return all(_visit((*path, index), item, flat, paths) for index, item in enumerate(value))
-    if isinstance(value, Mapping) or hasattr(value, "local_shards"):
-        return False
-    key = ".".join(map(str, path))
+    """Put ``value`` at ``path`` (``key`` flat) in ``flat`` and ``paths`` as :func:`flatten` does; ``False`` where it
+    cannot."""
+    if type(value) not in _PLAIN_TENSORS:
+        if isinstance(value, dict):
+            return all(_visit((*path, str(k)), f"{key}.{k!s}", item, flat, paths) for k, item in value.items())
+        if isinstance(value, list) and _walked(value):
+            return all(_visit((*path, n), f"{key}.{n}", item, flat, paths) for n, item in enumerate(value))
+        if isinstance(value, Mapping) or hasattr(value, "local_shards"):
+            return False
     if key in flat:
         return False
     flat[key], paths[key] = value, path
@@ -127,13 +152,12 @@ def _state_layout(planner: DefaultSavePlanner) -> tuple[list[Any] | None, int]:
     layout: list[Any] | None = [torch.is_grad_enabled(), planner.mappings]
     nbytes = (1 << 16) + 256 * len(planner.state_dict)
     for name, value in planner.state_dict.items():
-        if type(value) is DTensor:
+        if type(value) is DTensor:  # its chunk is its global layout's; its properties its local tensor's
             local = _compat.dtensor_local(value)
             nbytes += local.nbytes
             if layout is not None:
-                described: tuple[Any, ...] = (value.shape, value.stride(), value.dtype, value.requires_grad)
-                mesh = (value.placements, value.device_mesh, local.shape, local.requires_grad, local.is_pinned())
-                layout.append((name, *described, *mesh))
+                global_layout = _compat.dtensor_layout(value)
+                layout.append((name, global_layout, value.requires_grad, local.requires_grad, local.is_pinned()))
         elif hasattr(value, "local_shards"):
             nbytes += sum(shard.tensor.nbytes for shard in value.local_shards())
             layout = None
@@ -143,8 +167,7 @@ def _state_layout(planner: DefaultSavePlanner) -> tuple[list[Any] | None, int]:
         elif isinstance(value, torch.Tensor):
             nbytes += value.nbytes
             if layout is not None:
-                described = (value.shape, value.stride(), value.dtype, value.layout, value.requires_grad)
-                layout.append((name, *described, value.is_pinned()))
+                layout.append((name, value.shape, value.dtype, value.layout, value.requires_grad, value.is_pinned()))
         elif layout is not None:  # written pickled, whatever it holds
             layout.append(name)
     return layout, nbytes
@@ -232,7 +255,7 @@ class SavePlanning:
     def __init__(self) -> None:
         self._kept: _Agreement | None = None
         self._latest = 0
-        self._planner: DefaultSavePlanner | None = None
+        self._planner: _LocalTensorSavePlanner | None = None
         self._local_plan: SavePlan | None = None
         self._planned: tuple[list[Any], SavePlan] | None = None  # the layout of the last local plan made, and that plan
         #: about how many bytes this rank's files of the save being planned take (see :meth:`offer`)
@@ -352,7 +375,7 @@ class SavePlanning:
         kept, planner = self._kept, self._planner
         assert planner is not None and kept is not None, "offer() and make_global_plans() first"
         plan = planner.finish_plan(kept.central_plan)
-        resolved = [planner.resolve_data(item) for item in plan.items]
+        resolved = planner.resolve_items(plan.items)
         copies = iter(buffers.copy([value for value in resolved if isinstance(value, torch.Tensor)]))
         staged = [next(copies) if isinstance(value, torch.Tensor) else value.getvalue() for value in resolved]
         return StagedPart(plan, staged, buffers.block)

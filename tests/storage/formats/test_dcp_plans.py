@@ -105,8 +105,8 @@ def test_an_agreement_is_kept_for_the_same_position_among_the_same_ranks_only(tm
 
 def _save_as_the_layout_changes(rank, world_size, dirname):
     """Saves of a DTensor and of each rank's own tensor under the same names, the layout now kept, now changed (on one
-    rank alone, then placements, dtype and shape), each read back by DCP's own reader; for each save after the first,
-    whether this rank kept the global plan of the one before."""
+    rank alone, then placements, dtype, shape, and whether the tensors require gradients), each read back by DCP's
+    own reader; for each save after the first, whether this rank kept the global plan of the one before."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -115,31 +115,36 @@ def _save_as_the_layout_changes(rank, world_size, dirname):
 
     mesh = init_device_mesh("cpu", (world_size,))
     saver = ShardedSaver(dirname)
-    layouts = [  # placements, dtype, shape, length of rank 1's own tensor
-        ([Shard(0)], torch.float32, (4, 6), 3),
-        ([Shard(0)], torch.float32, (4, 6), 3),
-        ([Shard(0)], torch.float32, (4, 6), 5),
-        ([Shard(1)], torch.float32, (4, 6), 5),
-        ([Replicate()], torch.float32, (4, 6), 5),
-        ([Replicate()], torch.float64, (4, 6), 5),
-        ([Replicate()], torch.float64, (6, 4), 5),
+    layouts = [  # placements, dtype, shape, length of rank 1's own tensor, which of the two require gradients
+        ([Shard(0)], torch.float32, (4, 6), 3, ()),
+        ([Shard(0)], torch.float32, (4, 6), 3, ()),
+        ([Shard(0)], torch.float32, (4, 6), 5, ()),
+        ([Shard(1)], torch.float32, (4, 6), 5, ()),
+        ([Replicate()], torch.float32, (4, 6), 5, ()),
+        ([Replicate()], torch.float64, (4, 6), 5, ()),
+        ([Replicate()], torch.float64, (6, 4), 5, ()),
+        ([Replicate()], torch.float64, (6, 4), 5, ("w",)),
+        ([Replicate()], torch.float64, (6, 4), 5, ("w",)),
+        ([Replicate()], torch.float64, (6, 4), 5, ("w", "own")),
     ]
     plans = []
-    for step, (placements, dtype, shape, length) in enumerate(layouts):
+    for step, (placements, dtype, shape, length, learnt) in enumerate(layouts):
         full = (torch.arange(24) * (step + 1)).to(dtype).reshape(shape)
-        own = torch.full((length if rank == 1 else 3,), float(step))
-        saver.save_state({"w": distribute_tensor(full, mesh, placements), f"own{rank}": own}, f"save{step}")
+        own = torch.full((length if rank == 1 else 3,), float(step), requires_grad="own" in learnt)
+        shards = distribute_tensor(full, mesh, placements).requires_grad_("w" in learnt)
+        saver.save_state({"w": shards, f"own{rank}": own}, f"save{step}")
         whole = distribute_tensor(torch.zeros_like(full), mesh, [Replicate()])
         read = {"w": whole, f"own{rank}": torch.zeros_like(own)}
         dcp.load(read, checkpoint_id=dirname / f"save{step}")
-        assert torch.equal(read["w"].to_local(), full) and torch.equal(read[f"own{rank}"], own), step
+        assert torch.equal(read["w"].to_local(), full) and torch.equal(read[f"own{rank}"], own.detach()), step
         plans.append(saver.kept.planning["main"].central_plan)
     return [later is earlier for earlier, later in zip(plans, plans[1:])]
 
 
 @pytest.mark.distributed
 def test_plans_are_kept_while_the_layout_holds_and_made_afresh_when_it_changes(tmp_path):
-    assert run_ranks(_save_as_the_layout_changes, 2, tmp_path) == [[True, False, False, False, False, False]] * 2
+    kept = [True, False, False, False, False, False, False, True, False]
+    assert run_ranks(_save_as_the_layout_changes, 2, tmp_path) == [kept] * 2
 
 
 def _metadata_of_kept_plans(rank, world_size, dirname):
@@ -188,6 +193,7 @@ def _nested_states():
         7: {8: tensor},  # keys made strings
         "lists": {"values": [1, 2], "tensors": [tensor, 3], "deep": [[1], [tensor]], "dicts": [{"x": 1}], "empty": []},
         "kept_whole": {"tuple": (tensor, 1), "nested": [[[1]]], "text": "s", "none": None, "no_entries": {}},
+        "parameters": [torch.nn.Parameter(torch.ones(3)), {"p": torch.nn.Parameter(torch.ones(1))}],
     }
     yield {"mapping": MappingProxyType({"w": tensor})}  # not a dict: DCP's own walk
     yield {"in_a_list": [MappingProxyType({"w": tensor})]}
@@ -214,4 +220,11 @@ def test_the_state_is_flattened_as_dcp_flattens_it(state):
     assert list(ours.state_dict) == list(theirs.state_dict)  # the same keys, in the same order
     assert all(ours.state_dict[key] is value for key, value in theirs.state_dict.items())
     assert list(ours.mappings.items()) == list(theirs.mappings.items())
-    assert ours.create_local_plan() == theirs.create_local_plan()
+    plan = ours.create_local_plan()
+    assert plan == theirs.create_local_plan()
+    # each item resolved to what DCP's own planner resolves it to: the same tensor, the same pickled bytes
+    resolved = [theirs.resolve_data(item) for item in plan.items]
+    ours_resolved = ours.resolve_items(plan.items)
+    assert [type(value) for value in ours_resolved] == [type(value) for value in resolved]
+    for mine, their in zip(ours_resolved, resolved, strict=True):
+        assert mine is their if isinstance(their, torch.Tensor) else mine.getvalue() == their.getvalue()
