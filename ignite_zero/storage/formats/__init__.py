@@ -13,6 +13,7 @@
 ``dcp_entries``        the manifest's record of each entry of DCP's files, and its checked reads
 ``dcp_saved``          entries of DCP's files read without DCP's planning: tensors by name, a rank's own shards
 ``dcp_plans``          DCP's save plans, agreed in the saver's own rounds and kept between saves
+``dcp_flat``           the flat names of a nested state's entries, as DCP saves and loads them
 ``consolidation``      a sharded directory read as one file's state, in bounded memory
 ``torch_zip``          ``torch.save``'s archive, written record by record
 ``trust``              what a checkpoint's pickles may build unless its user vouches for it

@@ -40,9 +40,10 @@ from torch.distributed.tensor import DTensor
 from ignite_zero import _compat
 from ignite_zero.staging import HostBuffers, SharedBlock
 from ignite_zero.storage.formats.dcp_files import FileWritten, MetadataFile, PlacedFile, PlaceStorageWriter
+from ignite_zero.storage.formats.dcp_flat import flatten
 from ignite_zero.storage.places import Place
 
-__all__ = ["Offer", "SavePlanning", "StagedPart", "WrittenPart", "as_saved", "flatten"]
+__all__ = ["Offer", "SavePlanning", "StagedPart", "WrittenPart", "as_saved"]
 
 
 def as_saved(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -52,8 +53,8 @@ def as_saved(state: Mapping[str, Any]) -> dict[str, Any]:
 
 class _LocalTensorSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, but for two steps whose cost shows in every save of many small tensors: how it
-    flattens the state (:func:`flatten`), and how it finds a DTensor's data to write: its local tensor, read without
-    the autograd function of ``to_local()``."""
+    flattens the state (:func:`~ignite_zero.storage.formats.dcp_flat.flatten`), and how it finds a DTensor's data to
+    write: its local tensor, read without the autograd function of ``to_local()``."""
 
     def set_up_planner(
         self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
@@ -92,57 +93,6 @@ def _local_data(value: Any) -> torch.Tensor | None:
             return None
     local = _compat.dtensor_local(value)
     return local if type(local) is torch.Tensor else None  # a tensor subclass may find its shard itself, as DCP lets it
-
-
-def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]]] | None:
-    """``state`` flattened as DCP's ``flatten_state_dict`` flattens it for a save (the same keys, paths and order),
-    by a walk that looks at each value's type once, where DCP's asks each container whether it is terminal before it
-    walks it; ``None`` where the state holds what DCP's own walk should take: a mapping that is not a dict, a
-    ``ShardedTensor``, or a key that two paths make.
-
-    A dict is walked, its keys made strings; a list is walked where it holds a tensor, a mapping, or such a list (by
-    position), else kept whole, as a tuple and any other value are.
-
-    Returns:
-        The flat state, and each key's path in ``state``.
-    """
-    flat: dict[str, Any] = {}
-    paths: dict[str, tuple[str | int, ...]] = {}
-    if not all(_visit((str(key),), str(key), value, flat, paths) for key, value in state.items()):
-        return None
-    return flat, paths
-
-
-# The tensors that make most of a state, known to be leaves without asking what they hold.
-_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, DTensor})
-
-
-# Functions of the module, not closures of flatten's: a closure that calls itself would hold the flat state, every
-# tensor of it, until the collector's next pass.
-def _visit(
-    path: tuple[str | int, ...], key: str, value: Any, flat: dict[str, Any], paths: dict[str, tuple[str | int, ...]]
-) -> bool:
-    """Put ``value`` at ``path`` (``key`` flat) in ``flat`` and ``paths`` as :func:`flatten` does; ``False`` where it
-    cannot."""
-    if type(value) not in _PLAIN_TENSORS:
-        if isinstance(value, dict):
-            return all(_visit((*path, str(k)), f"{key}.{k!s}", item, flat, paths) for k, item in value.items())
-        if isinstance(value, list) and _walked(value):
-            return all(_visit((*path, n), f"{key}.{n}", item, flat, paths) for n, item in enumerate(value))
-        if isinstance(value, Mapping) or hasattr(value, "local_shards"):
-            return False
-    if key in flat:
-        return False
-    flat[key], paths[key] = value, path
-    return True
-
-
-def _walked(value: list[Any]) -> bool:
-    """Whether DCP walks the list ``value``: it holds a tensor, a mapping, or such a list."""
-    for item in value:
-        if isinstance(item, (Mapping, torch.Tensor)) or (isinstance(item, list) and _walked(item)):
-            return True
-    return False
 
 
 def _state_layout(planner: DefaultSavePlanner) -> tuple[list[Any] | None, int]:

@@ -33,6 +33,7 @@ from ignite_zero.storage.formats.dcp_entries import (
     read_saved_into,
     read_whole,
 )
+from ignite_zero.storage.formats.dcp_flat import flat_state
 from ignite_zero.storage.formats.trust import load_value
 from ignite_zero.storage.places import Place
 
@@ -101,7 +102,7 @@ class SavedTensors:
 
         DCP's planning costs a noticeable part of a load of shards: this skips it.
         """
-        flat, paths = _compat.dcp_flatten(state)
+        flat, paths = flat_state(state)
         values: list[tuple[MetadataIndex, tuple[Any, ...]]] = []
         tensors: list[tuple[MetadataIndex, torch.Tensor]] = []
         for fqn, value in flat.items():

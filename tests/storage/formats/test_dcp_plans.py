@@ -204,7 +204,8 @@ def _nested_states():
 def test_the_state_is_flattened_as_dcp_flattens_it(state):
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from ignite_zero.storage.formats.dcp_plans import _LocalTensorSavePlanner, flatten
+    from ignite_zero.storage.formats.dcp_flat import flatten
+    from ignite_zero.storage.formats.dcp_plans import _LocalTensorSavePlanner
 
     flattened = flatten(state)
     ours, theirs = _LocalTensorSavePlanner(), DefaultSavePlanner()
