@@ -412,7 +412,7 @@ def _sharded_save_with_fault(rank, world_size, dirname, fault, width):
         engine.state.iteration = iteration
         if iteration == 2 and fault == "EIO while writing" and rank == 0:
 
-            def failing_write(self, plan, planner):
+            def failing_write(self, plan, resolve):
                 raise OSError(errno.EIO, "Input/output error")
 
             sharded.DirectoryWriter.write_plan = failing_write

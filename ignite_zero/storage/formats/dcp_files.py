@@ -266,20 +266,21 @@ class PlaceStorageWriter(StorageWriter):
         future.set_result(
             [
                 WriteResult(plan.items[n].index, length, _compat.dcp_storage_info(file.name, offset, length))
-                for file in self.write_plan(plan, planner)
+                for file in self.write_plan(plan, lambda items: [planner.resolve_data(item) for item in items])
                 for n, (offset, length) in zip(file.positions, file.written.records[:, :2].tolist(), strict=True)
             ]
         )
         return future
 
-    def write_plan(self, plan: SavePlan, planner: SavePlanner) -> list[PlacedFile]:
-        """Write ``plan``, each item's data resolved by ``planner``: what :meth:`write_data` writes, as files that
-        say which items they hold rather than as DCP's result of each item."""
+    def write_plan(self, plan: SavePlan, resolve: Callable[[list[WriteItem]], list[Any]]) -> list[PlacedFile]:
+        """Write ``plan``, the data of its items resolved by ``resolve`` (a planner's ``resolve_data`` of each, in
+        order): what :meth:`write_data` writes, as files that say which items they hold rather than as DCP's result
+        of each item."""
         producers = staging.current_streams()  # this thread's: the writing threads copy after their work
 
         def write(name: str, positions: list[int]) -> FileWritten:
             # a host copy goes before the next one is made, unless held with other small tensors
-            values = staging.on_host((planner.resolve_data(plan.items[n]) for n in positions), producers)
+            values = staging.on_host(resolve([plan.items[n] for n in positions]), producers)
             return write_entries(self.place, name, values)
 
         return self._write_files(plan, write)

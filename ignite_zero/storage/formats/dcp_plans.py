@@ -317,7 +317,7 @@ class SavePlanning:
         kept, planner = self._kept, self._planner
         assert planner is not None and kept is not None, "offer() and make_global_plans() first"
         plan = planner.finish_plan(kept.central_plan)
-        return WrittenPart.of_files(plan, writer.write_plan(plan, planner))
+        return WrittenPart.of_files(plan, writer.write_plan(plan, planner.resolve_items))
 
     def stage(self, buffers: HostBuffers) -> StagedPart:
         """Copy what this rank writes of the agreed plan into host memory: each item's tensor into ``buffers``, each

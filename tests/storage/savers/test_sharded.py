@@ -147,7 +147,7 @@ def _save_after_a_failed_save(rank, world_size, dirname):
     holder.x = torch.arange(9, dtype=torch.float32)  # a new shape, in a save that fails on one rank as it writes
     write_plan = sharded.DirectoryWriter.write_plan
 
-    def failing(self, plan, planner):
+    def failing(self, plan, resolve):
         raise OSError(errno.EIO, "Input/output error")
 
     if rank == 0:
