@@ -130,7 +130,7 @@ def on_host(values: Iterable[Any], producers: Streams) -> Iterator[Any]:
     pending: tuple[torch.Tensor, Any] | None = None
     streams: dict[torch.device, Any] = {}
     for value in values:
-        copy = _pinned_copy(value.detach(), streams, producers) if _pinned(value) else None
+        copy = _pinned_copy(_detached(value), streams, producers) if _pinned(value) else None
         if pending is not None:
             host, copied = pending
             pending = None
@@ -140,14 +140,22 @@ def on_host(values: Iterable[Any], producers: Streams) -> Iterator[Any]:
         if copy is not None:
             pending = copy
         else:
-            yield _owning(value.detach()) if isinstance(value, torch.Tensor) else value
+            yield _owning(_detached(value)) if isinstance(value, torch.Tensor) else value
     if pending is not None:
         pending[1].synchronize()
         yield pending[0]
 
 
 def _pinned(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.device.type == "cuda" and value.nbytes <= PINNED_LIMIT
+    return isinstance(value, torch.Tensor) and value.is_cuda and value.nbytes <= PINNED_LIMIT
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.detach()``, or ``tensor`` itself where that is alike: a plain tensor out of autograd, without
+    attributes of its own; a save of many small tensors would pay a dispatch for each."""
+    if type(tensor) is torch.Tensor and not tensor.requires_grad and not tensor.__dict__:
+        return tensor
+    return tensor.detach()
 
 
 def _pinned_copy(
@@ -175,7 +183,7 @@ def _pinned_copy(
 
 def _owning(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU tensor that owns exactly its bytes, contiguous."""
-    tensor = tensor.cpu()
+    tensor = tensor if tensor.is_cpu else tensor.cpu()
     if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
         tensor = tensor.clone(memory_format=torch.contiguous_format)
     return tensor

@@ -1,0 +1,27 @@
+"""Host copies of what a save writes (ignite_zero.staging): CPU tensors as a writer takes them."""
+
+import torch
+from torch import nn
+
+from ignite_zero.staging import on_host
+
+
+def test_cpu_tensors_come_out_of_autograd_owning_their_bytes_and_nothing_else():
+    plain = torch.arange(6.0)
+    learnt = torch.arange(6.0, requires_grad=True)
+    marked = torch.arange(6.0)
+    marked.note = "an attribute of its own"
+    parameter = nn.Parameter(torch.arange(6.0))
+    part = torch.arange(12.0)[3:9]  # six elements of a storage of twelve
+    transposed = torch.arange(6.0).reshape(2, 3).t()
+    values = [plain, learnt, marked, parameter, part, transposed, "a value", 7]
+
+    out = list(on_host(values, {}))
+
+    assert out[0] is plain  # nothing to change: no copy, no new tensor
+    assert out[-2:] == ["a value", 7]
+    for tensor, original in zip(out[:-2], values[:-2], strict=True):
+        assert type(tensor) is torch.Tensor and not tensor.requires_grad and not tensor.__dict__
+        assert tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.nbytes
+        assert torch.equal(tensor, original.detach())
+    assert out[1].data_ptr() == learnt.data_ptr() and out[3].data_ptr() == parameter.data_ptr()  # views, not copies
