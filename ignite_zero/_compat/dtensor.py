@@ -9,6 +9,7 @@ private placement class.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from typing import Any
 
@@ -32,12 +33,15 @@ def dtensor_block(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     uneven, empty and strided shards follow torch wherever it changes its rules. A rank outside the tensor's mesh
     holds an empty block.
     """
-    mesh = tensor.device_mesh
-    key = (tuple(tensor.shape), tuple(tensor.placements), dist.get_rank() if dist.is_initialized() else -1)
-    blocks = _blocks.setdefault(mesh, {})
-    if key not in blocks:
-        blocks[key] = _dtensor_block(tensor.shape, mesh, tensor.placements)
-    return blocks[key]
+    meta, placements, mesh = dtensor_layout(tensor)
+    blocks = _blocks.get(mesh)
+    if blocks is None:
+        blocks = _blocks[mesh] = {}
+    key = (meta.shape, placements, dist.get_rank() if dist.is_initialized() else -1)
+    block = blocks.get(key)
+    if block is None:
+        block = blocks[key] = _dtensor_block(meta.shape, mesh, placements)
+    return block
 
 
 def dtensor_local(tensor: Any) -> Any:
@@ -99,11 +103,10 @@ def _dtensor_block(shape: Any, mesh: Any, placements: Any) -> tuple[tuple[int, .
 def unsupported_placement(placement: Any) -> str | None:
     """Why a DTensor placement cannot be checkpointed, or ``None`` for ``Shard``, ``Replicate`` and
     ``_StridedShard`` (private in torch: what ``fully_shard`` puts over a tensor-parallel ``Shard``)."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if type(placement) in (Shard, Replicate, _StridedShard):
+    if type(placement) in _laid_out_placements():
         return None
+    from torch.distributed.tensor import Partial
+
     if isinstance(placement, Partial):
         return (
             "a pending reduction (Partial): each rank holds a partial sum, not a part of the value; "
@@ -114,3 +117,12 @@ def unsupported_placement(placement: Any) -> str | None:
         f"a custom placement ({type(placement).__qualname__}) whose layout ignite_zero cannot know; "
         "use Shard, Replicate or fully_shard's strided shards"
     )
+
+
+@functools.cache
+def _laid_out_placements() -> frozenset[type]:
+    """The placement classes whose layout torch computes: asked of every placement of every tensor of a save."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return frozenset({Shard, Replicate, _StridedShard})
