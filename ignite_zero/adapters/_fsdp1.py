@@ -38,6 +38,7 @@ from ignite_zero.adapters.regions import Pieces
 
 __all__ = [
     "check",
+    "check_optimizer",
     "load_sharded_model",
     "load_sharded_optimizer",
     "model_pieces",
@@ -102,6 +103,11 @@ def check(module: nn.Module) -> None:
     """
     for unit in FullyShardedDataParallel.fsdp_modules(module):
         _compat.check_fsdp1_layout(unit)
+
+
+def check_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """:func:`check`: an optimizer's state is laid out like the flat parameters of ``module``'s units."""
+    check(module)
 
 
 def _plain_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:

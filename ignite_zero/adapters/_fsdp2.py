@@ -29,6 +29,7 @@ from ignite_zero.adapters.regions import Box, Pieces
 __all__ = [
     "MeshLayout",
     "check",
+    "check_optimizer",
     "dtensor_pieces",
     "dtensor_slot",
     "load_sharded_model",
@@ -64,7 +65,20 @@ def check(module: nn.Module) -> None:
             than ``Shard``, ``Replicate`` and FSDP2's strided shard, naming the tensor and its placements.
     """
     reshard(module)
-    named = [*module.named_parameters(), *module.named_buffers()]
+    _check_placements([*module.named_parameters(), *module.named_buffers()])
+
+
+def check_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """:func:`check`'s refusals for what ``optimizer`` holds: its parameters, whose layout its state has; local.
+
+    They are the sharded parameters whether ``module`` is sharded at the moment or not: nothing is resharded.
+    """
+    names = _names_by_id(module)  # a module kept unsharded after a forward shows other tensors: no names then
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    _check_placements([(names.get(id(param), "a parameter of its optimizer"), param) for param in params])
+
+
+def _check_placements(named: Sequence[tuple[str, torch.Tensor]]) -> None:
     for name, tensor in named:
         if not isinstance(tensor, DTensor):
             continue
@@ -211,8 +225,8 @@ def _optimizer_param_names(module: nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def param_names(module: nn.Module) -> set[str]:
-    """The names of every parameter an optimizer of ``module`` may hold state for (a tied one's first name)."""
-    reshard(module)
+    """The names of every parameter an optimizer of ``module`` may hold state for (a tied one's first name): the
+    same whether a module is sharded or not, which registers other tensors under the same names."""
     return set(_names_by_id(module).values())
 
 

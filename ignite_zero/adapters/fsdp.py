@@ -172,7 +172,10 @@ class _FSDPState(ShardedState):
             RuntimeError: this torch's FSDP1 lacks the internals read to find its shards.
         """
         super().check()
-        _kind(self.module).check(self.module)
+        self._check_layout(_kind(self.module))
+
+    def _check_layout(self, kind: ModuleType) -> None:
+        kind.check(self.module)
 
 
 class FSDPModelState(_FSDPState):
@@ -271,8 +274,8 @@ class OptimizerStateByName(ShardedState):
         """The layout of every parameter the optimizer may hold, by ``id``."""
 
     def check(self) -> None:
-        """As the model's adapter checks; also raises ``ValueError`` if some parameter of the optimizer does not
-        belong to the module."""
+        """As the model's adapter checks, of what the optimizer's state is laid out like; also raises
+        ``ValueError`` if some parameter of the optimizer does not belong to the module."""
         super().check()
         if not owns_parameters(self.module, self.obj):
             raise ValueError(
@@ -331,6 +334,9 @@ class FSDPOptimizerState(OptimizerStateByName, _FSDPState):
     def param_layouts(self) -> dict[int, ParamLayout]:
         """The layout of every parameter the optimizer may hold, by ``id``."""
         return _param_layouts(self.module)
+
+    def _check_layout(self, kind: ModuleType) -> None:
+        kind.check_optimizer(self.module, self.obj)  # the model's adapter checks the rest of the module
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's part of the optimizer state by parameter names, as ``get_optimizer_state_dict`` gives it,

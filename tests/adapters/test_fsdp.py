@@ -572,6 +572,8 @@ def _checks(rank: int, world_size: int) -> None:
     partial.head.weight = nn.Parameter(DTensor.from_local(torch.ones(3, 13), one_d, [Partial()]))
     with pytest.raises(ValueError, match=r"head.weight has placements \(Partial\(sum\),\) .* pending reduction"):
         FSDPModelState(partial).check()
+    with pytest.raises(ValueError, match=r"head.weight has placements \(Partial\(sum\),\) .* pending reduction"):
+        FSDPOptimizerState(partial, _adam(partial)).check()  # its state would be laid out alike
 
     class Halves(Shard):
         """A custom placement: a Shard subclass whose layout only its author knows."""
