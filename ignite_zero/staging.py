@@ -77,7 +77,7 @@ class Stager:
         """
         structure, tensors = split_tensors(state)
         buffers = [self._buffer(name, index, tensor) for index, tensor in enumerate(tensors)]
-        accelerated = any(tensor.device.type == "cuda" for tensor in tensors)
+        accelerated = any(tensor.is_cuda for tensor in tensors)
         _compat.copy_each(buffers, tensors, non_blocking=accelerated)  # one call: thousands of small copies
         if accelerated:
             torch.cuda.synchronize()  # the copies were issued without blocking, one after the other
@@ -87,7 +87,7 @@ class Stager:
         """The kept buffer of ``tensor``, the ``index``-th of ``name``'s; a new one where its shape or dtype changed."""
         buffer = self._buffers.get((name, index))
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            pin = tensor.device.type == "cuda"
+            pin = tensor.is_cuda
             buffer = self._buffers[(name, index)] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
         return buffer
 

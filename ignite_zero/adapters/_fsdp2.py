@@ -131,7 +131,9 @@ def dtensor_slot(name: str, tensor: DTensor) -> Slot:
 
 def dtensor_pieces(pieces: Pieces, key: tuple[Any, ...], slot: Slot, tensor: DTensor) -> None:
     """Add this rank's block of ``tensor`` (laid out like the parameter of ``slot``), with its mesh and placements."""
-    slot.add_to(pieces, key, _compat.dtensor_local(tensor), _layout(tensor.device_mesh, tuple(tensor.placements)))
+    local = _compat.dtensor_local(tensor)
+    piece = local.detach() if local.requires_grad else local
+    slot.add_to(pieces, key, piece, _layout(tensor.device_mesh, tuple(tensor.placements)))
 
 
 def _tied_names(module: nn.Module) -> dict[str, str]:
@@ -150,13 +152,13 @@ def model_pieces(module: nn.Module) -> Pieces:
     pieces = Pieces()
     tied = _tied_names(module)
     for raw_name, kept in module.state_dict(keep_vars=True).items():
-        name, value = clean_name(raw_name), _detached(kept)
+        name = clean_name(raw_name)
         if tied.get(name, name) != name:  # sent once, the same tensor under both names on the recipient
             pieces.add_alias((name,), (tied[name],))
-        elif isinstance(value, DTensor):
-            dtensor_pieces(pieces, (name,), dtensor_slot(name, value), value)
+        elif isinstance(kept, DTensor):  # its local tensor is the piece: no detached DTensor needed around it
+            dtensor_pieces(pieces, (name,), dtensor_slot(name, kept), kept)
         else:
-            add_value(pieces, (name,), value)
+            add_value(pieces, (name,), _detached(kept))
     return pieces
 
 
