@@ -71,6 +71,7 @@ from ignite_zero._compat.modules import (
     load_module_state,
     non_persistent_buffer_names,
 )
+from ignite_zero._compat.optimizers import load_optimizer_state
 from ignite_zero._compat.process_groups import default_store
 from ignite_zero._compat.serialization import (
     SavedStorage,
@@ -132,6 +133,7 @@ __all__ = [
     "is_fairscale_fsdp_param",
     "is_fsdp_flattened",
     "load_module_state",
+    "load_optimizer_state",
     "non_persistent_buffer_names",
     "reduce_plain_tensor",
     "saved_storage",

@@ -299,4 +299,4 @@ def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, 
         groups.append({**saved, "params": list(range(start, start + len(own)))})
         by_index.update({start + i: saved_state[name] for i, name in enumerate(own) if name in saved_state})
         start += len(own)
-    optimizer.load_state_dict({"state": by_index, "param_groups": groups})
+    _compat.load_optimizer_state(optimizer, {"state": by_index, "param_groups": groups})

@@ -427,7 +427,7 @@ class FairscaleFSDPOptimizerState(OptimizerStateByName, _FairscaleState):
                 optimizer's, or its state does not fit the parameters; nothing is changed then.
         """
         layouts = _Layout(self.module).param_layouts()
-        self.obj.load_state_dict(local_optimizer_state(layouts, self.obj, state_dict, reuse=True))
+        _compat.load_optimizer_state(self.obj, local_optimizer_state(layouts, self.obj, state_dict, reuse=True))
 
     def check_entry(self, state_dict: Mapping[str, Any]) -> None:
         """Raise as :meth:`load_state_dict` would, changing nothing; and without CUDA, as :meth:`check` does.

@@ -383,7 +383,9 @@ class FSDPOptimizerState(OptimizerStateByName, _FSDPState):
         """:meth:`check_entry`, and what loads the entry, with the parameters' layouts found once."""
         layouts = _param_layouts(self.module)
         check_optimizer_state(layouts, self.obj, state_dict)
-        return lambda: self.obj.load_state_dict(local_optimizer_state(layouts, self.obj, state_dict, reuse=True))
+        return lambda: _compat.load_optimizer_state(
+            self.obj, local_optimizer_state(layouts, self.obj, state_dict, reuse=True)
+        )
 
 
 def _template(state: Any, live: bool) -> Any:

@@ -288,6 +288,8 @@ def _load_entry(obj: Any, entry: Any, kwargs: Mapping) -> None:
             _compat.load_module_state(obj, entry, **kwargs)
         else:  # assign=True...: nn.Module's own
             obj.load_state_dict(entry, **kwargs)
+    elif isinstance(obj, torch.optim.Optimizer):
+        _compat.load_optimizer_state(obj, deferred.realize_all(entry))
     else:
         obj.load_state_dict(deferred.realize_all(entry), **_module_kwargs(obj, kwargs))
 
