@@ -6,6 +6,7 @@ bytes in order for a consolidation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
@@ -104,18 +105,21 @@ class SavedTensors:
         """
         flat, paths = flat_state(state)
         values: list[tuple[MetadataIndex, tuple[Any, ...]]] = []
-        tensors: list[tuple[MetadataIndex, torch.Tensor]] = []
+        tensors: list[tuple[tuple[str, int], MetadataIndex, torch.Tensor]] = []
         for fqn, value in flat.items():
             saved = self._metadata.state_dict_metadata.get(fqn)
             if isinstance(value, DTensor) or type(value) in (torch.Tensor, torch.nn.Parameter):
                 local = _compat.dtensor_local(value) if isinstance(value, DTensor) else value
                 offsets, sizes = _compat.dtensor_block(value) if isinstance(value, DTensor) else _block_of(value)
-                index = MetadataIndex(fqn, offsets)
-                if not (isinstance(saved, TensorStorageMetadata) and _holds(saved, offsets, sizes, local)):
+                entry = self._entries_by_chunk.get((fqn, offsets))
+                if entry is None or not isinstance(saved, TensorStorageMetadata):
                     return None
-                if self._recorded(index) is None:
+                if not _holds(saved, offsets, sizes, local):
                     return None
-                tensors.append((index, local.detach()))
+                index, info = entry
+                if self._entries.recorded(info.relative_path, info.offset, info.length) is None:
+                    return None
+                tensors.append(((info.relative_path, info.offset), index, local.detach()))
             elif isinstance(saved, BytesStorageMetadata) and not isinstance(value, torch.Tensor):
                 if self._recorded(MetadataIndex(fqn)) is None:
                     return None
@@ -123,8 +127,14 @@ class SavedTensors:
             else:  # a ShardedTensor (FSDP1's), or what the directory does not hold: DCP reads it, or says so
                 return None
         values.sort(key=lambda read: self._place_of(read[0]))  # in file order, as DCP's reader reads
-        tensors.sort(key=lambda read: self._place_of(read[0]))
-        return InPlaceReads(self, state, values, tensors)
+        tensors.sort(key=lambda read: read[0])
+        return InPlaceReads(self, state, values, [(index, target) for _, index, target in tensors])
+
+    @functools.cached_property
+    def _entries_by_chunk(self) -> dict[tuple[str, tuple[int, ...] | None], tuple[MetadataIndex, Any]]:
+        """Each saved entry's index and where it lies, by its name and offsets: a tuple hashes and compares at a
+        fraction of the cost of DCP's ``MetadataIndex``, looked up for each of thousands of tensors."""
+        return {(index.fqn, index.offset): (index, info) for index, info in self._metadata.storage_data.items()}
 
     def reading(self, index: MetadataIndex, nbytes: int) -> ChunkReading:
         """The ``nbytes`` of the saved chunk ``index``'s tensor, to read in parts from first to last, checked once
@@ -277,9 +287,9 @@ def _block_of(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (0,) * tensor.dim(), tuple(tensor.shape)
 
 
-def _holds(saved: TensorStorageMetadata, offsets: Sequence[int], sizes: Sequence[int], local: torch.Tensor) -> bool:
+def _holds(saved: TensorStorageMetadata, offsets: tuple[int, ...], sizes: tuple[int, ...], local: torch.Tensor) -> bool:
     """Whether one chunk of ``saved`` is exactly the block ``offsets``, ``sizes``, which ``local`` holds in CPU memory
     laid out as saved."""
-    block = (tuple(offsets), tuple(sizes))
-    chunks = {(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in saved.chunks}
-    return laid_out(local, saved.properties.dtype) and tuple(local.shape) == block[1] and block in chunks
+    if not (laid_out(local, saved.properties.dtype) and local.shape == sizes):
+        return False
+    return any(chunk.offsets == offsets and chunk.sizes == sizes for chunk in saved.chunks)
