@@ -105,7 +105,7 @@ def owns_parameters(module: nn.Module, optimizer: torch.optim.Optimizer) -> bool
     owned = {id(p) for p in module.parameters()}
     if all(id(p) in owned for p in params):
         return True
-    _fsdp2.reshard(module)  # each save asks: resharding every module costs more than the question
+    _fsdp2.reshard(module)  # only now: every save asks, and resharding walks every unit
     owned = {id(p) for p in module.parameters()}
     return all(id(p) in owned for p in params)
 
