@@ -37,6 +37,8 @@ def _entry(rank: int, world_size: int, workdir: Path, fn: Callable[..., Any], ar
                 world_size=world_size,
                 timeout=timedelta(seconds=60),
             )
+            # every rank joined: one whose scenario ends at once cannot close the group on a rank still joining it
+            dist.barrier()
         outcome = (True, fn(rank, world_size, *args))
     except BaseException:
         outcome = (False, traceback.format_exc())
