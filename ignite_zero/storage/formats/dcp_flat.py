@@ -29,10 +29,9 @@ def flat_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tupl
 
 def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]]] | None:
     """``state`` flattened as DCP's ``flatten_state_dict`` flattens it for a save or a load (the same keys, paths and
-    order),
-    by a walk that looks at each value's type once, where DCP's asks each container whether it is terminal before it
-    walks it; ``None`` where the state holds what DCP's own walk should take: a mapping that is not a dict, a
-    ``ShardedTensor``, or a key that two paths make.
+    order), by a walk that looks at each value's type once, where DCP's asks each container whether it is terminal
+    before it walks it; ``None`` where the state holds what DCP's own walk should take: a mapping that is not a dict,
+    a ``ShardedTensor``, or a key that two paths make.
 
     A dict is walked, its keys made strings; a list is walked where it holds a tensor, a mapping, or such a list (by
     position), else kept whole, as a tuple and any other value are.
