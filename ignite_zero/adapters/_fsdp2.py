@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,8 @@ def check(module: nn.Module) -> None:
             than ``Shard``, ``Replicate`` and FSDP2's strided shard, naming the tensor and its placements.
     """
     reshard(module)
-    _check_placements([*module.named_parameters(), *module.named_buffers()])
+    named = [*module.named_parameters(), *module.named_buffers()]
+    _check_placements([tensor for _, tensor in named], lambda position: named[position][0])
 
 
 def check_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -73,21 +74,24 @@ def check_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> None
 
     They are the sharded parameters whether ``module`` is sharded at the moment or not: nothing is resharded.
     """
-    names = _names_by_id(module)  # a module kept unsharded after a forward shows other tensors: no names then
     params = [param for group in optimizer.param_groups for param in group["params"]]
-    _check_placements([(names.get(id(param), "a parameter of its optimizer"), param) for param in params])
+    # named for the message alone; a module kept unsharded after a forward shows other tensors, and names none of them
+    _check_placements(
+        params, lambda position: _names_by_id(module).get(id(params[position]), "a parameter of its optimizer")
+    )
 
 
-def _check_placements(named: Sequence[tuple[str, torch.Tensor]]) -> None:
-    for name, tensor in named:
+def _check_placements(tensors: Sequence[torch.Tensor], name_of: Callable[[int], str]) -> None:
+    """Refuse the first of ``tensors`` with a placement that cannot be checkpointed, named by its position."""
+    for position, tensor in enumerate(tensors):
         if not isinstance(tensor, DTensor):
             continue
         for placement in tensor.placements:
             problem = _compat.unsupported_placement(placement)
             if problem is not None:
                 raise ValueError(
-                    f"{clean_name(name)} has placements {tensor.placements} on {_mesh_text(tensor.device_mesh)}: "
-                    f"{placement} is {problem}"
+                    f"{clean_name(name_of(position))} has placements {tensor.placements} on "
+                    f"{_mesh_text(tensor.device_mesh)}: {placement} is {problem}"
                 )
 
 
