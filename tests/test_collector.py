@@ -76,6 +76,27 @@ def test_the_collector_is_held_off_while_a_checkpoint_saves_and_loads(tmp_path):
     assert gc.isenabled()
 
 
+def test_the_collector_is_held_off_while_an_asynchronous_save_writes(tmp_path):
+    from ignite.engine import Engine
+
+    from ignite_zero import DiskSaver
+
+    seen, returned = [], threading.Event()
+
+    class _RecordingSaver(DiskSaver):
+        def __call__(self, checkpoint, filename, metadata=None):
+            returned.wait(10)  # the save call, which holds the collector off for the staging, has returned
+            seen.append((threading.current_thread() is threading.main_thread(), gc.isenabled()))
+            super().__call__(checkpoint, filename, metadata)
+
+    checkpoint = Checkpoint({"model": torch.nn.Linear(2, 2)}, _RecordingSaver(tmp_path), async_save=True)
+    checkpoint(Engine(lambda engine, batch: None))
+    returned.set()
+    checkpoint.wait()
+    assert seen == [(False, False)], "written in the save's own thread, the collector held off"
+    assert gc.isenabled()
+
+
 def _tensors_left_to_the_collector(rank, world_size, directory):
     """For each step, the tensors that only a pass of the collector would free after it: held by reference cycles."""
     from training import mixed_objects

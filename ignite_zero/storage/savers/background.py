@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from ignite.engine import Engine, Events
 
+from ignite_zero import collector
 from ignite_zero.agreement import busy, together
 
 __all__ = ["BackgroundSaves"]
@@ -112,7 +113,9 @@ class BackgroundSaves:
         what = f"checkpoint save of {pending.what}"
         try:
             with together(what, timeout=self.timeout, stream=self.stream or "main", ranks=ranks):
-                with busy(interval=min(1.0, self.timeout / 4)):
+                # held off as in a save in the training thread, whose objects it makes here: each collection would
+                # pass over the whole heap, holding the loop's interpreter too
+                with busy(interval=min(1.0, self.timeout / 4)), collector.paused():
                     work()
         except Exception as error:  # raised by wait(), in the training thread
             logger.error("Asynchronous save of %s failed: %s", pending.what, error)
