@@ -75,9 +75,11 @@ class Box:
 
     def view(self, full: torch.Tensor) -> torch.Tensor:
         """This block of ``full`` (a view)."""
-        view = full.reshape(self.space)
+        space = self.space
+        view = full if full.shape == space else full.reshape(space)
         for dim, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
-            view = view.narrow(dim, offset, size)
+            if size != space[dim]:  # a dimension the block spans needs no view of its own
+                view = view.narrow(dim, offset, size)
         return view
 
     def runs(self) -> int:
@@ -351,9 +353,13 @@ def gather_pieces(
             if peer != ranks.rank:
                 send_error(f"rank {dst}: {error}", ranks.peer(peer), ranks.group)
         raise
-    full = {key: torch.empty(region.box.shape, dtype=region.dtype) for key, region in chosen_regions.items()}
+    own = _own_whole_tensors(pieces, chosen, ranks.rank) if overlap is not None else {}
+    full = {
+        key: own[key] if key in own else torch.empty(region.box.shape, dtype=region.dtype)
+        for key, region in chosen_regions.items()
+    }
     receivers = _ask_for_pieces(manifests, sends, full, ranks, chunk_bytes)
-    _copy_own_pieces(pieces, chosen, full, ranks.rank, overlap)
+    _copy_own_pieces(pieces, {key: picks for key, picks in chosen.items() if key not in own}, full, ranks.rank, overlap)
     if overlap is None:
         receive_all(receivers, ranks.group)
     else:
@@ -406,6 +412,31 @@ def _ask_for_pieces(
     return receivers
 
 
+def _own_whole_tensors(
+    pieces: Pieces, chosen: dict[tuple[Any, ...], list[tuple[int, int]]], rank: int
+) -> dict[tuple[Any, ...], torch.Tensor]:
+    """The root's own pieces that are whole tensors alone in their CPU memory (a replica, ``step``, a staged copy):
+    a consolidated save writes each from where it is, as :meth:`Overlap.defer_copy` leaves a larger piece, rather
+    than a copy in a tensor allocated for it; each memory once, as each full tensor has its own."""
+    found: dict[tuple[Any, ...], torch.Tensor] = {}
+    memories: set[int] = set()
+    for key, picks in chosen.items():
+        if len(picks) != 1 or picks[0][0] != rank:
+            continue
+        box, tensor = pieces.regions[picks[0][1]].box, pieces.tensors[picks[0][1]]
+        if not (box.is_whole and tensor.is_cpu and tensor.is_contiguous() and tensor.numel()):
+            continue
+        if tensor.storage_offset() or tensor.untyped_storage().nbytes() != tensor.nbytes:
+            continue  # a view of more memory, which the file would hold whole
+        if tensor.data_ptr() in memories:
+            continue
+        memories.add(tensor.data_ptr())
+        if type(tensor) is not torch.Tensor or tensor.requires_grad or tensor.__dict__:
+            tensor = tensor.detach()  # a plain tensor out of autograd, as an allocated one is
+        found[key] = tensor if tensor.shape == box.shape else tensor.view(box.shape)
+    return found
+
+
 def _copy_own_pieces(
     pieces: Pieces,
     chosen: dict[tuple[Any, ...], list[tuple[int, int]]],
@@ -419,7 +450,11 @@ def _copy_own_pieces(
         for r, i in picks:
             if r == rank:
                 target = pieces.regions[i].box.view(full[key])
-                source = pieces.tensors[i].detach().reshape(target.shape)
+                source = pieces.tensors[i]
+                if source.requires_grad:
+                    source = source.detach()
+                if source.shape != target.shape:
+                    source = source.reshape(target.shape)
                 if overlap is not None and pieces.regions[i].box.runs() == 0:
                     overlap.defer_copy(target, source)
                 else:

@@ -48,7 +48,7 @@ from ignite_zero.storage.formats import consolidation
 from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.formats.consolidation import WINDOW_BYTES
 from ignite_zero.storage.formats.file_verification import verify_file
-from ignite_zero.transport import DEFAULT_CHUNK_BYTES
+from ignite_zero.transport import DEFAULT_CHUNK_BYTES, Overlap
 
 
 class Layer(nn.Module):
@@ -400,6 +400,23 @@ def _test_gather_pieces(rank: int, world_size: int) -> None:
         for name, tensor in full.items():
             assert_same(result[(name,)], tensor)
         assert result[("tied",)] is result[("flat",)] and result[("lr",)] == 0.5
+        assert result[("replica",)].data_ptr() != full["replica"].data_ptr(), "a result of its own, not a view"
+    with Overlap() as arriving:  # a consolidated save: the recipient writes its own whole tensors from where they are
+        pieces = _pieces_of(rank, world_size, full)
+        learning, bigger = torch.ones(2, 3, requires_grad=True), torch.arange(6.0)
+        pieces.add_whole(("learning",), learning)
+        pieces.add_whole(("part",), bigger[:3])
+        result = gather_pieces(pieces, 0, overlap=arriving)
+        if result is not None:
+            arriving.finish()
+    if rank == 0:
+        for name, tensor in full.items():
+            assert_same(result[(name,)], tensor)
+        assert result[("replica",)].data_ptr() == full["replica"].data_ptr()
+        assert type(result[("learning",)]) is torch.Tensor and not result[("learning",)].requires_grad
+        assert result[("learning",)].data_ptr() == learning.data_ptr()
+        assert torch.equal(result[("part",)], bigger[:3])
+        assert result[("part",)].data_ptr() != bigger.data_ptr(), "a view of more memory: copied, whole in the file"
 
 
 def _test_inconsistent_pieces(rank: int, world_size: int) -> None:
