@@ -1,33 +1,53 @@
 """A nested state taken apart into its structure, pickled without tensor data, and its tensors.
 
 The transport sends the structure as a small header and the tensors as raw bytes; staging copies the tensors into
-kept buffers and puts them back into the same structure.
+kept buffers and puts them back into a copy of the same structure (:func:`rebuilt`), which shares with the state the
+objects of classes marked :func:`immutable`.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["join_tensors", "split_tensors"]
+__all__ = ["immutable", "join_tensors", "rebuilt", "split_tensors"]
+
+_Class = TypeVar("_Class", bound=type)
+
+# Classes whose objects never change once made: a copy of a structure in this process shares them.
+_IMMUTABLE: set[type] = set()
+
+
+def immutable(cls: _Class) -> _Class:
+    """Mark ``cls`` (a class decorator) as one whose objects never change once made, nor anything they refer to: a
+    copy made by :func:`rebuilt` shares them with the original rather than pickling and rebuilding each, which a
+    state of thousands of entries would pay for at every asynchronous save."""
+    _IMMUTABLE.add(cls)
+    return cls
 
 
 class _TensorExtractor(pickle.Pickler):
     """Pickles an object's structure and collects its tensors, each distinct tensor object once."""
 
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: io.BytesIO, share_immutable: bool = False) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
         self._index: dict[int, int] = {}
+        #: objects of immutable classes, left out of the structure (only where ``share_immutable``)
+        self.shared: list[Any] | None = [] if share_immutable else None
 
     # Asked of each object but strings, numbers and plain containers, where persistent_id is asked of every one: a
     # snapshot of many small tensors holds tens of objects a tensor.
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor):
-            return NotImplemented
+            if self.shared is None or type(obj) not in _IMMUTABLE:
+                return NotImplemented
+            self.shared.append(obj)  # met once: the pickler refers to it by its memo after that
+            return _shared_at, (len(self.shared) - 1,)
         if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.layout != torch.strided or obj.is_quantized:
             raise TypeError(f"Cannot send a {type(obj).__name__} with layout {obj.layout}: only plain strided tensors")
         if obj.device.type == "meta":
@@ -45,16 +65,24 @@ def _tensor_at(index: int) -> torch.Tensor:
     raise RuntimeError("unpickle what split_tensors() made with join_tensors()")
 
 
-class _TensorInjector(pickle.Unpickler):
-    """Unpickles a structure, putting the tensors back by index."""
+def _shared_at(index: int) -> Any:
+    """As :func:`_tensor_at`, for the ``index``-th object shared by a copy (see :func:`rebuilt`)."""
+    raise RuntimeError("unpickle what rebuilt() made with rebuilt()")
 
-    def __init__(self, data: bytes, tensors: list[torch.Tensor]) -> None:
+
+class _TensorInjector(pickle.Unpickler):
+    """Unpickles a structure, putting the tensors back by index, and the shared objects."""
+
+    def __init__(self, data: bytes, tensors: list[torch.Tensor], shared: list[Any] | None = None) -> None:
         super().__init__(io.BytesIO(data))
         self._tensors = tensors
+        self._shared = shared
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == (__name__, _tensor_at.__name__):
             return self._tensors.__getitem__
+        if (module, name) == (__name__, _shared_at.__name__) and self._shared is not None:
+            return self._shared.__getitem__
         return super().find_class(module, name)
 
 
@@ -73,3 +101,16 @@ def split_tensors(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
 def join_tensors(structure: bytes, tensors: list[torch.Tensor]) -> Any:
     """The object :func:`split_tensors` took apart, with ``tensors`` in place of its own."""
     return _TensorInjector(structure, tensors).load()
+
+
+def rebuilt(obj: Any, tensors_for: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> Any:
+    """A copy of ``obj`` with ``tensors_for(tensors)`` in place of its tensors (as :func:`split_tensors` lists
+    them): its containers and values are copied, but objects of classes marked :func:`immutable`, shared.
+
+    Raises:
+        TypeError: ``obj`` holds a tensor without plain strided data (sparse, quantized, meta).
+    """
+    buffer = io.BytesIO()
+    extractor = _TensorExtractor(buffer, share_immutable=True)
+    extractor.dump(obj)
+    return _TensorInjector(buffer.getvalue(), tensors_for(extractor.tensors), extractor.shared).load()

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ignite_zero import _compat
-from ignite_zero.pickling import join_tensors, split_tensors
+from ignite_zero.pickling import join_tensors, rebuilt, split_tensors
 
 __all__ = [
     "PINNED_LIMIT",
@@ -75,13 +75,16 @@ class Stager:
             state: nested containers of tensors and other picklable values.
             name: which buffers to use: one set per object saved.
         """
-        structure, tensors = split_tensors(state)
-        buffers = [self._buffer(name, index, tensor) for index, tensor in enumerate(tensors)]
-        accelerated = any(tensor.is_cuda for tensor in tensors)
-        _compat.copy_each(buffers, tensors, non_blocking=accelerated)  # one call: thousands of small copies
-        if accelerated:
-            torch.cuda.synchronize()  # the copies were issued without blocking, one after the other
-        return join_tensors(structure, buffers)
+
+        def copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            buffers = [self._buffer(name, index, tensor) for index, tensor in enumerate(tensors)]
+            accelerated = any(tensor.is_cuda for tensor in tensors)
+            _compat.copy_each(buffers, tensors, non_blocking=accelerated)  # one call: thousands of small copies
+            if accelerated:
+                torch.cuda.synchronize()  # the copies were issued without blocking, one after the other
+            return buffers
+
+        return rebuilt(state, copies)
 
     def _buffer(self, name: str, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """The kept buffer of ``tensor``, the ``index``-th of ``name``'s; a new one where its shape or dtype changed."""

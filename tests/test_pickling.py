@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ignite_zero.pickling import join_tensors, split_tensors
+from ignite_zero.pickling import immutable, join_tensors, rebuilt, split_tensors
 
 
 class _Pair(NamedTuple):
@@ -18,6 +18,18 @@ class _Pair(NamedTuple):
 @dataclasses.dataclass
 class _Holder:
     tensor: torch.Tensor
+    values: list
+
+
+@immutable
+@dataclasses.dataclass(frozen=True)
+class _Fixed:
+    name: str
+    shape: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenOnly:  # frozen, but not marked: it may refer to what changes
     values: list
 
 
@@ -43,3 +55,23 @@ def test_tensors_come_out_once_each_in_order_and_go_back_where_they_were():
     assert joined["a"]["p"] is replaced[1] and joined["holder"].tensor is replaced[2]
     assert type(joined["a"]) is OrderedDict and type(joined["pair"]) is _Pair and type(joined["holder"]) is _Holder
     assert joined["pair"].right == (1, "x", None, torch.float16) and joined["holder"].values[1:] == [2.5, b"bytes"]
+
+
+def test_a_rebuilt_copy_shares_immutable_objects_and_copies_everything_else():
+    tensor, fixed, values = torch.arange(3), _Fixed("w", (3,)), [1, 2]
+    state = {"fixed": fixed, "again": fixed, "frozen": _FrozenOnly(values), "holder": _Holder(tensor, values)}
+    seen = []
+
+    def copies(tensors):
+        seen.extend(tensors)
+        return [t + 10 for t in tensors]
+
+    copy = rebuilt(state, copies)
+
+    assert seen == [tensor] and torch.equal(copy["holder"].tensor, tensor + 10)
+    assert copy["fixed"] is fixed and copy["again"] is fixed
+    assert copy["frozen"] == state["frozen"] and copy["frozen"].values is not values
+    assert copy["holder"].values == values and copy["holder"].values is not values
+    # the structure split for another process pickles them: nothing refers to this process's objects
+    structure, _ = split_tensors(state)
+    assert join_tensors(structure, [tensor])["fixed"] is not fixed

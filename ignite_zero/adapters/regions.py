@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
+from ignite_zero.pickling import immutable
 from ignite_zero.transport import (
     DEFAULT_CHUNK_BYTES,
     Overlap,
@@ -101,6 +102,7 @@ class Box:
         return [shaped[index] for index in itertools.product(*(range(s) for s in self.sizes[:lead]))]
 
 
+@immutable  # shared by the copies of an asynchronous save, not rebuilt for each
 @dataclass(frozen=True)
 class Region:
     """Where a local piece sits in its full tensor: ``key`` names the full tensor, ``box`` the piece's block of it.
