@@ -21,8 +21,10 @@ and steps on until the checkpoint is durable:
 For each: ``blocked``, the seconds the save call holds the loop; ``slowdown``, the median step time while the save
 runs over the median step time of the steps before it; ``durable``, the seconds from the call until the checkpoint is
 durable (ours: its writing thread is done, then ``Checkpoint.wait`` runs what follows a durable save; DCP: its future
-is done), polled after every step. The table gives the median [min-max] of each over the rounds. Files go to
-``/dev/shm`` (no disk: software alone is measured).
+is done), polled after every step; ``lost``, what the save costs the loop in all: the seconds blocked, and those its
+steps took while the save ran beyond the pace of the steps before it (a save that slows the loop a lot for a short
+while may cost it less than one that slows it a little for long). The table gives the median [min-max] of each over
+the rounds. Files go to ``/dev/shm`` (no disk: software alone is measured).
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def _rank(
         "dcp thread": lambda: theirs(AsyncCheckpointerType.THREAD),
         "dcp process": lambda: theirs(AsyncCheckpointerType.PROCESS),
     }
-    rounds: Rounds = {name: {"blocked": [], "slowdown": [], "durable": []} for name in paths}
+    rounds: Rounds = {name: {"blocked": [], "slowdown": [], "durable": [], "lost": []} for name in paths}
     for measured, name in interleaved(paths, runs):
         engine.state.iteration += 1
         before = [loop.step() for _ in range(steps)]
@@ -131,18 +133,20 @@ def _rank(
             shutil.rmtree(path)
         if measured:
             rounds[name]["blocked"].append(blocked)
-            rounds[name]["slowdown"].append(statistics.median(during) / statistics.median(before))
+            pace = statistics.median(before)
+            rounds[name]["slowdown"].append(statistics.median(during) / pace)
             rounds[name]["durable"].append(durable)
+            rounds[name]["lost"].append(blocked + sum(during) - pace * len(during))
     return rounds
 
 
 def _table(rounds: Rounds) -> str:
     rows = [
-        "| path | blocks the loop (s) | step time while the save runs (x) | durable after (s) |",
-        "|---|---|---|---|",
+        "| path | blocks the loop (s) | step time while the save runs (x) | durable after (s) | loop time lost (s) |",
+        "|---|---|---|---|---|",
     ]
     for name, figures in rounds.items():
-        cells = [summary(figures[figure]) for figure in ("blocked", "slowdown", "durable")]
+        cells = [summary(figures[figure]) for figure in ("blocked", "slowdown", "durable", "lost")]
         rows.append(f"| {name} | " + " | ".join(f"{m:.3f} [{lo:.3f}-{hi:.3f}]" for lo, m, hi in cells) + " |")
     return "\n".join(rows)
 
