@@ -313,7 +313,13 @@ class Overlap:
                 self._free += [held.slot for held in self._written]
                 self._written.clear()
                 self._lock.notify_all()
+            # nothing still to arrive nor waiting in a slot (one rank, or every byte in): ``piece`` itself, unless a
+            # deferred part lies in it; the common case of a state of many small tensors, asked of each
+            arrived = not self._starts and not self._held and self._error is None
         stop = start + piece.nbytes
+        if arrived and not self._deferred:
+            self._taken = stop
+            return [piece]
         parts: list[memoryview] = []
         position = start
         index = max(0, bisect.bisect(self._deferred_starts, start) - 1)

@@ -29,6 +29,17 @@ def test_overlap_waits_only_for_memory_still_to_arrive():
     overlap.finish()
 
 
+def test_memory_with_nothing_to_arrive_is_handed_back_as_it_is():
+    # one rank, or every byte in: each of thousands of small tensors is asked for without any bookkeeping
+    tensor = torch.arange(8, dtype=torch.float32)
+    piece = tensor.view(torch.uint8).numpy().data.cast("B")
+    with Overlap() as overlap:
+        overlap.receive([], None)
+        assert overlap.bytes_of(tensor.data_ptr(), piece)[0] is piece
+        overlap._starts, overlap._stops = [tensor.data_ptr() + 64], [tensor.data_ptr() + 96]  # still to arrive
+        assert overlap.bytes_of(tensor.data_ptr(), piece[:16])[0] is not piece
+
+
 def test_a_large_own_part_is_written_from_where_it_is_and_a_small_one_copied():
     # a consolidated save writes the recipient's own shards from where they lie rather than copy them into the
     # result; a small one is copied at once instead, which costs less than keeping track of it
