@@ -45,12 +45,33 @@ _PAUSES = _Pauses()
 
 
 @contextmanager
-def paused() -> Iterator[None]:
+def paused(at_most: float | None = None) -> Iterator[None]:
     """Hold the cyclic garbage collector off for the ``with`` block, or each call of the function it decorates (in
     every thread: the collector is the process's); nested and concurrent pauses may overlap. A collector that was
-    disabled before stays disabled."""
+    disabled before stays disabled.
+
+    Args:
+        at_most: seconds after which this pause ends even if the block goes on: for a block that runs beside the
+            training loop (an asynchronous save), whose garbage would otherwise wait for the block's end, however
+            long a slow disk or a peer makes it.
+    """
+    lock, ended = threading.Lock(), False
+
+    def end() -> None:
+        nonlocal ended
+        with lock:
+            if not ended:
+                ended = True
+                _PAUSES.end()
+
     _PAUSES.begin()
+    timer = None if at_most is None else threading.Timer(at_most, end)
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
     try:
         yield
     finally:
-        _PAUSES.end()
+        if timer is not None:
+            timer.cancel()
+        end()

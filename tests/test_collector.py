@@ -2,6 +2,7 @@
 
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -38,6 +39,22 @@ def test_a_collector_disabled_before_stays_disabled():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_pause_with_a_limit_ends_by_then_unless_another_pause_holds():
+    with collector.paused(at_most=0.05):
+        assert not gc.isenabled()
+        deadline = time.monotonic() + 5
+        while not gc.isenabled() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gc.isenabled(), "the collector runs again while the block goes on"
+    assert gc.isenabled()
+    with collector.paused():
+        with collector.paused(at_most=0.05):
+            time.sleep(0.2)
+            assert not gc.isenabled(), "the other pause holds on"
+        assert not gc.isenabled(), "the limited pause ended once, not again at its block's end"
+    assert gc.isenabled()
 
 
 def test_a_pause_ends_with_the_error_that_ends_it():

@@ -26,6 +26,9 @@ __all__ = ["BackgroundSaves"]
 
 logger = logging.getLogger(__name__)
 
+# How long the thread of an asynchronous save holds the collector off at most.
+_PAUSE_SECONDS = 10.0
+
 # The live handler of each stream: a second one would interleave its rounds with the first one's.
 _streams: weakref.WeakValueDictionary[str, BackgroundSaves] = weakref.WeakValueDictionary()
 
@@ -114,8 +117,9 @@ class BackgroundSaves:
         try:
             with together(what, timeout=self.timeout, stream=self.stream or "main", ranks=ranks):
                 # held off as in a save in the training thread, whose objects it makes here: each collection would
-                # pass over the whole heap, holding the loop's interpreter too
-                with busy(interval=min(1.0, self.timeout / 4)), collector.paused():
+                # pass over the whole heap, holding the loop's interpreter too; for a while only, since the loop
+                # goes on making garbage (a save of many small tensors takes about a second)
+                with busy(interval=min(1.0, self.timeout / 4)), collector.paused(at_most=_PAUSE_SECONDS):
                     work()
         except Exception as error:  # raised by wait(), in the training thread
             logger.error("Asynchronous save of %s failed: %s", pending.what, error)
