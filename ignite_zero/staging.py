@@ -33,6 +33,7 @@ __all__ = [
     "Stager",
     "Streams",
     "current_streams",
+    "detached",
     "on_host",
     "shared_tensor",
     "to_cpu",
@@ -133,7 +134,7 @@ def on_host(values: Iterable[Any], producers: Streams) -> Iterator[Any]:
     pending: tuple[torch.Tensor, Any] | None = None
     streams: dict[torch.device, Any] = {}
     for value in values:
-        copy = _pinned_copy(_detached(value), streams, producers) if _pinned(value) else None
+        copy = _pinned_copy(detached(value), streams, producers) if _pinned(value) else None
         if pending is not None:
             host, copied = pending
             pending = None
@@ -143,7 +144,7 @@ def on_host(values: Iterable[Any], producers: Streams) -> Iterator[Any]:
         if copy is not None:
             pending = copy
         else:
-            yield _owning(_detached(value)) if isinstance(value, torch.Tensor) else value
+            yield _owning(detached(value)) if isinstance(value, torch.Tensor) else value
     if pending is not None:
         pending[1].synchronize()
         yield pending[0]
@@ -153,7 +154,7 @@ def _pinned(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_cuda and value.nbytes <= PINNED_LIMIT
 
 
-def _detached(tensor: torch.Tensor) -> torch.Tensor:
+def detached(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor.detach()``, or ``tensor`` itself where that is alike: a plain tensor out of autograd, without
     attributes of its own; a save of many small tensors would pay a dispatch for each."""
     if type(tensor) is torch.Tensor and not tensor.requires_grad and not tensor.__dict__:

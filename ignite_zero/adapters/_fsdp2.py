@@ -135,16 +135,8 @@ def dtensor_slot(name: str, tensor: DTensor) -> Slot:
 
 def dtensor_pieces(pieces: Pieces, key: tuple[Any, ...], slot: Slot, tensor: DTensor) -> None:
     """Add this rank's block of ``tensor`` (laid out like the parameter of ``slot``), with its mesh and placements."""
-    local = _compat.dtensor_local(tensor)
-    piece = local.detach() if local.requires_grad else local
-    slot.add_to(pieces, key, piece, _layout(tensor.device_mesh, tuple(tensor.placements)))
-
-
-def _tied_names(module: nn.Module) -> dict[str, str]:
-    """Clean name of every parameter and buffer -> the first clean name of the same tensor."""
-    first: dict[int, str] = {}
-    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    return {clean_name(name): clean_name(first.setdefault(id(tensor), name)) for name, tensor in named}
+    _, placements, mesh = _compat.dtensor_layout(tensor)
+    slot.add_to(pieces, key, _compat.dtensor_local(tensor), _layout(mesh, placements))
 
 
 def model_pieces(module: nn.Module) -> Pieces:
@@ -154,15 +146,16 @@ def model_pieces(module: nn.Module) -> Pieces:
     is copied here.
     """
     pieces = Pieces()
-    tied = _tied_names(module)
+    first: dict[int, str] = {}  # the first name of each tensor: tied parameters are one tensor under several
     for raw_name, kept in module.state_dict(keep_vars=True).items():
         name = clean_name(raw_name)
-        if tied.get(name, name) != name:  # sent once, the same tensor under both names on the recipient
-            pieces.add_alias((name,), (tied[name],))
+        named = first.setdefault(id(kept), name) if isinstance(kept, torch.Tensor) else name
+        if named != name:  # sent once, the same tensor under both names on the recipient
+            pieces.add_alias((name,), (named,))
         elif isinstance(kept, DTensor):  # its local tensor is the piece: no detached DTensor needed around it
             dtensor_pieces(pieces, (name,), dtensor_slot(name, kept), kept)
         else:
-            add_value(pieces, (name,), _detached(kept))
+            add_value(pieces, (name,), kept)
     return pieces
 
 

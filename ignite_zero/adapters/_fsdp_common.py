@@ -21,6 +21,7 @@ from torch import nn
 from ignite_zero import _compat
 from ignite_zero.adapters import deferred
 from ignite_zero.adapters.regions import Box, Pieces
+from ignite_zero.staging import detached
 
 __all__ = [
     "PendingModelLoad",
@@ -97,7 +98,7 @@ class Slot:
 
     def add_to(self, pieces: Pieces, key: tuple[Any, ...], local: torch.Tensor, layout: Any = None) -> None:
         """Add this slot's piece of ``local`` to ``pieces`` as part of the full tensor ``key``."""
-        add_piece(pieces, key, self.box, self.local_part(local).detach(), layout)
+        add_piece(pieces, key, self.box, detached(self.local_part(local)), layout)
 
     @property
     def is_whole(self) -> bool:
@@ -148,7 +149,7 @@ def add_unsharded(pieces: Pieces, prefix: str, module: nn.Module, tensors: Itera
 def add_value(pieces: Pieces, key: tuple[Any, ...], value: Any) -> None:
     """``pieces.add_whole`` with the same care for tensors without elements as :func:`add_piece`."""
     if isinstance(value, torch.Tensor):
-        add_piece(pieces, key, Box.whole(value.shape), value.detach())
+        add_piece(pieces, key, Box.whole(value.shape), detached(value))
     else:
         pieces.add_whole(key, value)
 

@@ -20,6 +20,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ignite_zero.pickling import immutable
+from ignite_zero.staging import detached
 from ignite_zero.transport import (
     DEFAULT_CHUNK_BYTES,
     Overlap,
@@ -433,8 +434,7 @@ def _own_whole_tensors(
         if tensor.data_ptr() in memories:
             continue
         memories.add(tensor.data_ptr())
-        if type(tensor) is not torch.Tensor or tensor.requires_grad or tensor.__dict__:
-            tensor = tensor.detach()  # a plain tensor out of autograd, as an allocated one is
+        tensor = detached(tensor)  # a plain tensor out of autograd, as an allocated one is
         found[key] = tensor if tensor.shape == box.shape else tensor.view(box.shape)
     return found
 
