@@ -3,7 +3,8 @@
 import torch
 from torch import nn
 
-from ignite_zero.staging import on_host
+from ignite_zero.adapters.regions import Box, Pieces
+from ignite_zero.staging import Stager, on_host
 
 
 def test_cpu_tensors_come_out_of_autograd_owning_their_bytes_and_nothing_else():
@@ -25,3 +26,13 @@ def test_cpu_tensors_come_out_of_autograd_owning_their_bytes_and_nothing_else():
         assert tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.nbytes
         assert torch.equal(tensor, original.detach())
     assert out[1].data_ptr() == learnt.data_ptr() and out[3].data_ptr() == parameter.data_ptr()  # views, not copies
+
+
+def test_a_staged_snapshot_shares_its_regions_and_copies_its_tensors_and_values():
+    pieces = Pieces()
+    pieces.add(("w",), Box.whole((2,)), torch.ones(2))
+    pieces.add_whole(("lr",), {"values": [0.1]})
+    staged = Stager().stage((pieces, [{"params": ["w"]}]))[0]
+    assert staged.regions is pieces.regions and staged.order is pieces.order, "complete: shared, not rebuilt"
+    assert staged.tensors[0] is not pieces.tensors[0] and torch.equal(staged.tensors[0], pieces.tensors[0])
+    assert staged.values == pieces.values and staged.values[("lr",)] is not pieces.values[("lr",)]

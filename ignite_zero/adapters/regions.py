@@ -14,7 +14,7 @@ import math
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed import ProcessGroup
@@ -103,7 +103,6 @@ class Box:
         return [shaped[index] for index in itertools.product(*(range(s) for s in self.sizes[:lead]))]
 
 
-@immutable  # shared by the copies of an asynchronous save, not rebuilt for each
 @dataclass(frozen=True)
 class Region:
     """Where a local piece sits in its full tensor: ``key`` names the full tensor, ``box`` the piece's block of it.
@@ -155,6 +154,23 @@ class Pieces:
         """``key`` names the same tensor as ``target`` (tied parameters): sent once, shared in the result."""
         self.values[key] = _Alias(target)
         self.order.append(key)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole only to be copied (an asynchronous save's staging): the regions and the order, complete by
+        # then and never changed after, are shared with the copy rather than pickled entry by entry.
+        return _pieces, (_Complete(self.regions, self.order), self.tensors, self.values)
+
+
+@immutable
+class _Complete(NamedTuple):
+    """The regions and key order of pieces that no one adds to any more."""
+
+    regions: list[Region]
+    order: list[tuple[Any, ...]]
+
+
+def _pieces(complete: _Complete, tensors: list[torch.Tensor], values: dict[tuple[Any, ...], Any]) -> Pieces:
+    return Pieces(complete.regions, tensors, values, complete.order)
 
 
 _Manifest = tuple[list[Region], dict[tuple[Any, ...], Any], list[tuple[Any, ...]]]
