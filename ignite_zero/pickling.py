@@ -50,7 +50,7 @@ class _TensorExtractor(pickle.Pickler):
             return _shared_at, (len(self.shared) - 1,)
         if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.layout != torch.strided or obj.is_quantized:
             raise TypeError(f"Cannot send a {type(obj).__name__} with layout {obj.layout}: only plain strided tensors")
-        if obj.device.type == "meta":
+        if obj.is_meta:
             raise TypeError("Cannot send a tensor on the meta device: it has no data")
         index = self._index.get(id(obj))
         if index is None:  # `self.tensors` keeps the object alive, so its id stays unique

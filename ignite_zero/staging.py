@@ -62,12 +62,12 @@ class Stager:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._buffers: dict[str, list[torch.Tensor]] = {}
 
     @property
     def nbytes(self) -> int:
         """Host memory held by the staging buffers."""
-        return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
+        return sum(buffer.numel() * buffer.element_size() for kept in self._buffers.values() for buffer in kept)
 
     def stage(self, state: Any, name: str = "") -> Any:
         """A copy of ``state`` whose tensors are the staging buffers of ``name``; containers are rebuilt.
@@ -78,7 +78,7 @@ class Stager:
         """
 
         def copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-            buffers = [self._buffer(name, index, tensor) for index, tensor in enumerate(tensors)]
+            buffers = self._buffers[name] = self._kept(name, tensors)
             accelerated = any(tensor.is_cuda for tensor in tensors)
             _compat.copy_each(buffers, tensors, non_blocking=accelerated)  # one call: thousands of small copies
             if accelerated:
@@ -87,13 +87,16 @@ class Stager:
 
         return rebuilt(state, copies)
 
-    def _buffer(self, name: str, index: int, tensor: torch.Tensor) -> torch.Tensor:
-        """The kept buffer of ``tensor``, the ``index``-th of ``name``'s; a new one where its shape or dtype changed."""
-        buffer = self._buffers.get((name, index))
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            pin = tensor.is_cuda
-            buffer = self._buffers[(name, index)] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-        return buffer
+    def _kept(self, name: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A buffer for each of ``tensors``: ``name``'s kept one at its place, a new one where there is none or its
+        shape or dtype changed."""
+        kept = self._buffers.get(name, [])
+        return [
+            kept[index]
+            if index < len(kept) and kept[index].shape == tensor.shape and kept[index].dtype == tensor.dtype
+            else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            for index, tensor in enumerate(tensors)
+        ]
 
 
 def to_cpu(state: Any) -> Any:

@@ -36,3 +36,15 @@ def test_a_staged_snapshot_shares_its_regions_and_copies_its_tensors_and_values(
     assert staged.regions is pieces.regions and staged.order is pieces.order, "complete: shared, not rebuilt"
     assert staged.tensors[0] is not pieces.tensors[0] and torch.equal(staged.tensors[0], pieces.tensors[0])
     assert staged.values == pieces.values and staged.values[("lr",)] is not pieces.values[("lr",)]
+
+
+def test_staging_buffers_are_kept_while_shapes_and_dtypes_hold():
+    stager = Stager()
+    first = stager.stage({"a": torch.ones(2), "b": torch.ones(3)}, "x")
+    again = stager.stage({"a": torch.zeros(2), "b": torch.zeros(3, dtype=torch.float64)}, "x")
+    assert again["a"].data_ptr() == first["a"].data_ptr() and not again["a"].any(), "kept, with the new values"
+    assert again["b"].dtype == torch.float64 and again["b"].data_ptr() != first["b"].data_ptr()
+    other = stager.stage({"a": torch.ones(2)}, "y")
+    assert other["a"].data_ptr() != again["a"].data_ptr(), "each name its own buffers"
+    stager.stage({"a": torch.ones(2)}, "x")
+    assert stager.nbytes == 2 * 4 + 2 * 4, "buffers of tensors gone are let go"
