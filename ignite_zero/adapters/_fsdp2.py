@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -121,8 +123,19 @@ def _layout(mesh: DeviceMesh, placements: Sequence[Placement]) -> MeshLayout:
     return MeshLayout(tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()), str(tuple(placements)))
 
 
+# The block of each DTensor met, with the layout it was found from: a consolidated save asks for each parameter's
+# twice (its model's pieces, its optimizer's layouts), at every save, and its layout seldom changes. By id, kept while
+# the DTensor lives (tensors compare by value, which a weak dictionary would ask of them).
+_boxes: dict[int, tuple[weakref.ref[DTensor], tuple[Any, ...], Box]] = {}
+
+
 def dtensor_slot(name: str, tensor: DTensor) -> Slot:
     """Where this rank's local tensor of ``tensor`` sits in the full tensor: a block, from torch's metadata."""
+    layout = _compat.dtensor_layout(tensor)
+    kept = _boxes.get(id(tensor))
+    # the same objects (shape, placements, mesh) as when it was found: a layout that changes is made anew
+    if kept is not None and kept[0]() is tensor and all(map(operator.is_, kept[1], layout)):
+        return Slot(name, kept[2])
     offsets, sizes = _compat.dtensor_block(tensor)
     local = tuple(_compat.dtensor_local(tensor).shape)
     if local != sizes and math.prod(sizes) + math.prod(local) > 0:
@@ -130,7 +143,10 @@ def dtensor_slot(name: str, tensor: DTensor) -> Slot:
             f"{name}: this rank holds a local tensor of shape {local}, but its placements {tensor.placements} give "
             f"{sizes}; please report it"
         )
-    return Slot(name, Box(tuple(tensor.shape), offsets, sizes))
+    box = Box(tuple(tensor.shape), offsets, sizes)
+    key = id(tensor)
+    _boxes[key] = (weakref.ref(tensor, lambda _: _boxes.pop(key, None)), layout, box)
+    return Slot(name, box)
 
 
 def dtensor_pieces(pieces: Pieces, key: tuple[Any, ...], slot: Slot, tensor: DTensor) -> None:

@@ -45,6 +45,7 @@ from ignite_zero.adapters.fsdp import (
     is_fsdp_module,
     owns_parameters,
 )
+from ignite_zero.adapters.regions import Box
 
 # --------------------------------------------------------------------------------------------------
 # Models, setups, training
@@ -607,6 +608,33 @@ def _checks(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_checks_and_pairing() -> None:
     run_ranks(_checks, 2)
+
+
+def _kept_slots(rank: int, world_size: int) -> None:
+    import gc
+
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from ignite_zero.adapters import _fsdp2
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    sharded = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)])
+    slot = _fsdp2.dtensor_slot("w", sharded)
+    assert slot.box == Box((4, 3), (2 * rank, 0), (2, 3))
+    assert _fsdp2.dtensor_slot("w", sharded).box is slot.box, "kept while its layout holds"
+    renamed = _fsdp2.dtensor_slot("v", sharded)
+    assert renamed.name == "v" and renamed.box is slot.box
+    replicated = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Replicate()])
+    assert _fsdp2.dtensor_slot("w", replicated).box == Box((4, 3), (0, 0), (4, 3)), "another tensor: its own slot"
+    kept = id(sharded)
+    del sharded
+    gc.collect()
+    assert kept not in _fsdp2._boxes, "let go with its tensor"
+
+
+@pytest.mark.distributed
+def test_blocks_are_kept_for_each_dtensor_while_it_lives() -> None:
+    run_ranks(_kept_slots, 2)
 
 
 def _prepared_loads(rank: int, world_size: int) -> None:
