@@ -113,7 +113,8 @@ class ShardedState(ABC):
         """Collective over ``group``: the full state on the recipient from every rank's snapshot, ``{}`` elsewhere.
 
         Given ``overlap`` (a consolidated save), the tensors' bytes travel in its background: the result's tensors
-        are complete once it says so (see :class:`ignite_zero.transport.Overlap`).
+        are complete once it says so (see :class:`ignite_zero.transport.Overlap`), and some may be the snapshot's own
+        tensors, to be written, not changed.
         """
 
     def sharded_state_dict(self) -> Any:

@@ -221,7 +221,7 @@ class FSDPModelState(_FSDPState):
     def assemble(self, snapshot: Pieces, group: Any, overlap: Overlap | None = None) -> dict[str, Any]:
         """Collective over ``group``: the full model state on the recipient, ``{}`` on every other rank."""
         full = gather_pieces(snapshot, self.recipient_rank, group, overlap=overlap)
-        # Every tensor was allocated by the gather: never a view of live parameters.
+        # Without an overlap every tensor was allocated by the gather: never a view of live parameters.
         return {} if full is None else {key[0]: value for key, value in full.items()}
 
     def sharded_state_dict(self) -> dict[str, Any]:

@@ -349,7 +349,8 @@ def gather_pieces(
         group: process group whose CPU backend is gloo; ``None`` for the default group.
         chunk_bytes: most bytes a sender stages at a time, and the largest message.
         overlap: where given (a consolidated save), the blocks travel in its background, into slots that the saver
-            writes from, and the gather returns at once (see :class:`ignite_zero.transport.Overlap`).
+            writes from, and the gather returns at once (see :class:`ignite_zero.transport.Overlap`); the root's own
+            pieces that are whole tensors alone in their memory are then full tensors of the result themselves.
 
     Returns:
         On ``dst``: ``{key: full tensor or value}`` in ``dst``'s order, then keys only other ranks hold;
