@@ -145,8 +145,13 @@ def dtensor_slot(name: str, tensor: DTensor) -> Slot:
         )
     box = Box(tuple(tensor.shape), offsets, sizes)
     key = id(tensor)
-    _boxes[key] = (weakref.ref(tensor, lambda _: _boxes.pop(key, None)), layout, box)
+    _boxes[key] = (weakref.ref(tensor, functools.partial(_forget_box, _boxes, key)), layout, box)
     return Slot(name, box)
+
+
+def _forget_box(boxes: dict[int, Any], key: int, _: Any) -> None:
+    # given the dictionary itself, not found by its global name: a tensor may die as the interpreter shuts down
+    boxes.pop(key, None)
 
 
 def dtensor_pieces(pieces: Pieces, key: tuple[Any, ...], slot: Slot, tensor: DTensor) -> None:
