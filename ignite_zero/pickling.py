@@ -67,7 +67,7 @@ def _tensor_at(index: int) -> torch.Tensor:
 
 def _shared_at(index: int) -> Any:
     """As :func:`_tensor_at`, for the ``index``-th object shared by a copy (see :func:`rebuilt`)."""
-    raise RuntimeError("unpickle what rebuilt() made with rebuilt()")
+    raise RuntimeError("only rebuilt() unpickles what it pickles")
 
 
 class _TensorInjector(pickle.Unpickler):
