@@ -11,7 +11,7 @@ import torch
 from launcher import run_ranks
 
 from ignite_zero.storage.formats.dcp_files import PlaceStorageWriter
-from ignite_zero.storage.formats.dcp_plans import SavePlanning
+from ignite_zero.storage.formats.dcp_plans import ENTRY_BYTES, SavePlanning
 from ignite_zero.storage.places import LocalPlace
 
 
@@ -64,6 +64,24 @@ def test_plans_are_offered_once_and_kept_while_no_rank_changes(tmp_path):
     metadata = ranks[0].planning.metadata
     assert metadata.state_dict_metadata["own1"].size == torch.Size([6])
     assert metadata.state_dict_metadata["own1"].properties.dtype == torch.float64
+
+
+def _written_by_each(tmp_path, states):
+    ranks = [_Rank(0, tmp_path), _Rank(1, tmp_path)]
+    _save(ranks, states)
+    return [sorted(item.index.fqn for item in rank.planning.central_plan.items) for rank in ranks]
+
+
+def test_what_every_rank_holds_is_shared_out_by_entries_and_bytes(tmp_path):
+    shared = {f"step{n}": torch.tensor(float(n)) for n in range(10)}  # Adam's steps: replicated, tiny
+    # each rank's own entry first, as a model's parameters come before their optimizer's steps
+    written = _written_by_each(tmp_path, [{"own0": torch.ones(8), **shared}, {"own1": torch.ones(8), **shared}])
+    assert sorted(written[0] + written[1]) == sorted([*shared, "own0", "own1"]), "each entry once"
+    # five each (DCP's own deduplication gives all ten to rank 1): small entries cost their writing, not their bytes
+    assert [len(names) for names in written] == [6, 6]
+    big = torch.ones(ENTRY_BYTES // 4 * 20)  # rank 0 writes as much as 20 small entries more: rank 1 takes them all
+    written = _written_by_each(tmp_path / "big", [{"own0": big, **shared}, {"own1": torch.ones(8), **shared}])
+    assert written == [["own0"], sorted([*shared, "own1"])]
 
 
 def test_ranks_that_kept_plans_from_different_agreements_plan_afresh(tmp_path):
