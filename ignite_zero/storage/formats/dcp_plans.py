@@ -71,8 +71,8 @@ class _LocalTensorSavePlanner(DefaultSavePlanner):
         return super().lookup_object(index) if local is None else local
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        """DCP's global plans, from plans in which each item several ranks hold is left to one of them already (see
-        :func:`share_replicated`): DCP's own deduplication then finds nothing left to do."""
+        """DCP's global plans, from plans in which each tensor several ranks hold is left to one of them already (see
+        :func:`share_replicated`): DCP's own deduplication is left the values."""
         return super().create_global_plan(share_replicated(all_plans))
 
     def resolve_items(self, items: Sequence[WriteItem]) -> list[Any]:
@@ -99,16 +99,15 @@ def share_replicated(plans: Sequence[SavePlan]) -> list[SavePlan]:
     DCP's own deduplication gives each such item to the plan with the fewest bytes counted so far, counting as it meets
     the items, the first plan's first: the replicated tensors of a state of many small tensors all go to one rank, which
     then writes a third more entries than the others (2,000 of Adam's ``step`` tensors in a save of 8,000 entries).
-    Values (pickled, a few) are left to it: it keeps those of a dict together on one rank, and so in their order in
-    ``.metadata``, which a load into plain objects rebuilds the dict in.
+    Values (pickled, a few) are left to it: where tensors come before them, as in an optimizer's state, it gives them
+    all to one rank, which keeps a dict's values in their order in ``.metadata``, the order in which a load into plain
+    objects rebuilds the dict.
     """
     holders: dict[MetadataIndex, list[int]] = {}
     for position, plan in enumerate(plans):
         for item in plan.items:
             holders.setdefault(item.index, []).append(position)
-    load = [0] * len(plans)
-    for position, plan in enumerate(plans):
-        load[position] = sum(_cost(item) for item in plan.items if len(holders[item.index]) == 1)
+    load = [sum(_cost(item) for item in plan.items if len(holders[item.index]) == 1) for plan in plans]
     keeper: dict[MetadataIndex, int] = {}
     shared = {
         item.index: item
