@@ -35,6 +35,7 @@ __all__ = [
     "current_streams",
     "detached",
     "on_host",
+    "owns_its_bytes",
     "shared_tensor",
     "to_cpu",
 ]
@@ -188,12 +189,15 @@ def _pinned_copy(
     return host, copied
 
 
+def owns_its_bytes(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is contiguous and the whole of its storage: its bytes are all a writer takes of it."""
+    return tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.nbytes
+
+
 def _owning(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU tensor that owns exactly its bytes, contiguous."""
     tensor = tensor if tensor.is_cpu else tensor.cpu()
-    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
-        tensor = tensor.clone(memory_format=torch.contiguous_format)
-    return tensor
+    return tensor if owns_its_bytes(tensor) else tensor.clone(memory_format=torch.contiguous_format)
 
 
 #: Where each tensor starts in a shared block: a multiple of this, as torch aligns what it allocates.

@@ -20,7 +20,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ignite_zero.pickling import immutable
-from ignite_zero.staging import detached
+from ignite_zero.staging import detached, owns_its_bytes
 from ignite_zero.transport import (
     DEFAULT_CHUNK_BYTES,
     Overlap,
@@ -444,9 +444,9 @@ def _own_whole_tensors(
         if len(picks) != 1 or picks[0][0] != rank:
             continue
         box, tensor = pieces.regions[picks[0][1]].box, pieces.tensors[picks[0][1]]
-        if not (box.is_whole and tensor.is_cpu and tensor.is_contiguous() and tensor.numel()):
+        if not (box.is_whole and tensor.is_cpu and tensor.numel()):
             continue
-        if tensor.storage_offset() or tensor.untyped_storage().nbytes() != tensor.nbytes:
+        if not owns_its_bytes(tensor):
             continue  # a view of more memory, which the file would hold whole
         if tensor.data_ptr() in memories:
             continue
