@@ -7,6 +7,7 @@ objects of classes marked :func:`immutable`.
 
 from __future__ import annotations
 
+import collections
 import io
 import pickle
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["immutable", "join_tensors", "rebuilt", "split_tensors"]
+__all__ = ["immutable", "join_tensors", "rebuilt", "split_plain", "split_tensors"]
 
 _Class = TypeVar("_Class", bound=type)
 
@@ -95,6 +96,55 @@ def split_tensors(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
     buffer = io.BytesIO()
     extractor = _TensorExtractor(buffer)
     extractor.dump(obj)
+    return buffer.getvalue(), extractor.tensors
+
+
+# What a structure that another process rebuilds may hold besides what pickle itself handles (numbers, strings,
+# bytes, plain containers): none of these runs code of its own there, nor imports more than torch.
+_PLAIN = frozenset(
+    {
+        collections.OrderedDict,
+        bytearray,
+        complex,
+        torch.Size,
+        torch.dtype,
+        torch.device,
+        torch.memory_format,
+    }
+)
+
+
+class _NotPlain(Exception):
+    pass
+
+
+class _PlainExtractor(_TensorExtractor):
+    """A :class:`_TensorExtractor` that gives up at the first object other than plain values and ``accepted``
+    tensors."""
+
+    def __init__(self, file: io.BytesIO, accepted: Callable[[torch.Tensor], bool]) -> None:
+        super().__init__(file)
+        self._accepted = accepted
+
+    def reducer_override(self, obj: Any) -> Any:
+        # their classes are met as their reductions name them, and the name each tensor is pickled as
+        if type(obj) in _PLAIN or (isinstance(obj, type) and obj in _PLAIN) or obj is _tensor_at:
+            return NotImplemented
+        if not isinstance(obj, torch.Tensor) or not self._accepted(obj):
+            raise _NotPlain
+        return super().reducer_override(obj)
+
+
+def split_plain(obj: Any, accepted: Callable[[torch.Tensor], bool]) -> tuple[bytes, list[torch.Tensor]] | None:
+    """:func:`split_tensors` of ``obj`` if it holds nothing but plain values (numbers, strings, bytes, containers,
+    torch's sizes, dtypes and devices) and tensors that ``accepted``; else ``None``. Another process rebuilds such a
+    structure without running or importing anything of the user's."""
+    buffer = io.BytesIO()
+    extractor = _PlainExtractor(buffer, accepted)
+    try:
+        extractor.dump(obj)
+    except _NotPlain:
+        return None
     return buffer.getvalue(), extractor.tensors
 
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ignite_zero.pickling import immutable, join_tensors, rebuilt, split_tensors
+from ignite_zero.pickling import immutable, join_tensors, rebuilt, split_plain, split_tensors
 
 
 class _Pair(NamedTuple):
@@ -75,3 +75,22 @@ def test_a_rebuilt_copy_shares_immutable_objects_and_copies_everything_else():
     # the structure split for another process pickles them: nothing refers to this process's objects
     structure, _ = split_tensors(state)
     assert join_tensors(structure, [tensor])["fixed"] is not fixed
+
+
+def test_a_plain_split_takes_values_of_plain_types_and_accepted_tensors_only():
+    weight, step = torch.randn(3, 2), torch.tensor(4.0)
+    plain = OrderedDict(
+        weight=weight,
+        again=weight,
+        state={0: {"step": step}},
+        values=[1, 2.5, 1 + 2j, "s", b"b", bytearray(b"ba"), None, True, (torch.Size([3, 2]), torch.int8)],
+        where=[torch.device("cpu"), torch.channels_last],
+    )
+    structure, tensors = split_plain(plain, lambda tensor: tensor.dim() > 0 or tensor.item() == 4.0)
+    assert tensors[0] is weight and tensors[1] is step and len(tensors) == 2
+    joined = join_tensors(structure, [tensor.clone() for tensor in tensors])
+    assert joined["again"] is joined["weight"] and joined["values"] == plain["values"]
+    assert type(joined) is OrderedDict and joined["where"] == plain["where"]
+    assert split_plain(plain, lambda tensor: tensor.dim() > 0) is None  # a tensor not accepted
+    for other in (_Holder(weight, []), _Pair(weight, 1), dataclasses.replace, nn.Linear, {1: {2: object()}}):
+        assert split_plain({"other": other}, lambda tensor: True) is None, other
