@@ -20,12 +20,14 @@ import json
 import os
 import struct
 import zipfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from zlib_ng import zlib_ng
 
+from ignite_zero import _compat
 from ignite_zero.storage.formats.base import IntegrityError
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "is_legacy_format",
     "parse_trailer",
     "read_trailer",
+    "write_sealed",
 ]
 
 _FORMAT = "ignite_zero"
@@ -285,6 +288,29 @@ class SealingStream:
         """End a file that is no zip archive (torch's legacy format): what was held back, as it was."""
         self._pass(self._held)
         self._held = b""
+
+
+def write_sealed(f: IO[bytes], write: Callable[[IO[bytes]], object], facts: Mapping[str, Any] | None) -> None:
+    """Write a checkpoint to ``f`` with ``write`` (``torch.save`` given a stream, or a writer of its archive) through
+    a :class:`SealingStream`, then seal it with ``facts``; ``None``: a file in torch's legacy format, no zip,
+    passed on as it was.
+
+    Raises:
+        Exception: the first error a write to ``f`` raised (no space left, an I/O error), where ``write`` raised
+            its own instead.
+    """
+    stream = SealingStream(f)
+    with _compat.serialization_crc32():
+        try:
+            write(stream)  # type: ignore[arg-type]
+        except Exception as error:
+            if stream.error is not None:  # the real cause, e.g. ENOSPC or EIO, instead of torch's summary
+                raise stream.error from error
+            raise
+    if facts is None:
+        stream.finish()
+    else:
+        stream.seal(**facts)
 
 
 def is_legacy_format(source: str | os.PathLike | Stored) -> bool:

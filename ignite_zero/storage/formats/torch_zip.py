@@ -49,6 +49,7 @@ __all__ = [
     "Archive",
     "Record",
     "SmallArchive",
+    "saved_as_its_bytes",
     "small_tensor_layout",
     "tensor_bytes",
     "write_archive",
@@ -540,6 +541,21 @@ def small_tensor_layout(tensor: Any) -> tuple[Any, ...] | None:
     if layout is None or not 0 < layout[1] <= _SMALL or not _whole_storage(tensor, layout):
         return None
     return layout
+
+
+def saved_as_its_bytes(tensor: torch.Tensor) -> bool:
+    """Whether ``torch.save`` writes ``tensor`` as its bytes alone: a plain CPU tensor out of autograd (as
+    :func:`small_tensor_layout` takes them, at any size), the whole of its storage; a copy of it into any other memory
+    is written alike."""
+    return (  # one test after another, the cheapest first: asked of every tensor of a checkpoint
+        type(tensor) is torch.Tensor
+        and tensor.is_cpu
+        and not tensor.requires_grad
+        and tensor.layout == torch.strided
+        and not (tensor.__dict__ or tensor.is_quantized or tensor.is_nested or tensor.is_conj() or tensor.is_neg())
+        and tensor.is_contiguous()
+        and tensor.untyped_storage().nbytes() == tensor.nbytes  # so its offset is 0
+    )
 
 
 class SmallArchive(NamedTuple):

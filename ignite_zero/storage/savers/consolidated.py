@@ -52,6 +52,11 @@ class ConsolidatingSaver(Saver):
         arriving.finish()
         self.write(content, request)
 
+    def write_in_background(self, content: Any, request: SaveRequest, arriving: Overlap) -> None:
+        """:meth:`write_arriving`, in the thread of an asynchronous save: a saver that can write elsewhere than in
+        this process (and so leave its interpreter to the training loop) overrides it."""
+        self.write_arriving(content, request, arriving)
+
     def save(self, objects: Any, request: SaveRequest) -> None:
         writes = self.writes_here(request)
 
@@ -82,20 +87,25 @@ class ConsolidatingSaver(Saver):
                 else staged.get(path)
             )
 
-        return lambda: self._commit(objects, assemble, writes, request)
+        return lambda: self._commit(objects, assemble, writes, request, self.write_in_background)
 
     def _commit(
-        self, objects: Any, state_of: Callable[[tree.Path, Any, Overlap], Any], writes: bool, request: SaveRequest
+        self,
+        objects: Any,
+        state_of: Callable[[tree.Path, Any, Overlap], Any],
+        writes: bool,
+        request: SaveRequest,
+        write: Callable[[Any, SaveRequest, Overlap], None] | None = None,
     ) -> None:
-        """Gather the checkpoint, ``state_of`` each object, while its bytes arrive in the background, and write it
-        as they arrive."""
+        """Gather the checkpoint, ``state_of`` each object, while its bytes arrive in the background, and ``write`` it
+        (:meth:`write_arriving` by default) as they arrive."""
         started = time.perf_counter()
         with Overlap() as arriving:  # leaving it waits for every stream: no sender is left waiting
             checkpoint = tree.map_tree(lambda path, obj: state_of(path, obj, arriving), objects)
             if not writes:
                 return
             planned = time.perf_counter()
-            self.write_arriving(unwrapped(checkpoint, request), request, arriving)
+            (write or self.write_arriving)(unwrapped(checkpoint, request), request, arriving)
         for filename in request.removed:  # only now: the new checkpoint is durable
             self.remove(filename)
         logger.info(

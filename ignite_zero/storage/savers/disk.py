@@ -8,22 +8,24 @@ removed only once the new one is durable.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
-from typing import IO, Any, NamedTuple, cast
+from typing import IO, Any, NamedTuple
 
 import numpy
 import torch
 
-from ignite_zero import _compat
 from ignite_zero.agreement import rank_and_world
 from ignite_zero.naming import check_filename
+from ignite_zero.staging import HostBuffers
 from ignite_zero.storage.formats import torch_zip
-from ignite_zero.storage.formats.file_trailer import SealingStream
-from ignite_zero.storage.places import Place
+from ignite_zero.storage.formats.file_trailer import write_sealed
+from ignite_zero.storage.places import LocalPlace, Place
 from ignite_zero.storage.savers.base import SaveRequest
 from ignite_zero.storage.savers.consolidated import ConsolidatingSaver
 from ignite_zero.storage.savers.destination import (
@@ -32,6 +34,7 @@ from ignite_zero.storage.savers.destination import (
     package_version,
     serialized_size,
 )
+from ignite_zero.storage.savers.write_process import SharedCheckpoint, WriteProcess, shared_copy
 from ignite_zero.transport import Overlap
 
 __all__ = ["DiskSaver"]
@@ -107,6 +110,9 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         self._atomic = atomic
         self.kwargs = kwargs
         self._arriving: _Arriving | None = None  # during a save whose tensors' bytes are not all in their memory yet
+        # each stream's copies of the checkpoints that the helper writes (two handlers of one saver may each have an
+        # asynchronous save in flight)
+        self._shared_copies: dict[str, HostBuffers] = {}
         super().__init__(
             dirname, create_dir, require_empty, save_on_rank, storage_options, defer_require_empty=defer_require_empty
         )
@@ -122,6 +128,48 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         itself; else (keywords only ``torch.save`` honours, a method replaced) once every byte has."""
         arrived = _Arriving(_arrived(arriving), arriving.finish)
         self._write_arriving(content, request.filename, arrived, request.metadata)
+
+    def write_in_background(self, content: Any, request: SaveRequest, arriving: Overlap) -> None:
+        """Write the checkpoint of an asynchronous save, in its thread: once every byte has arrived, a checkpoint of
+        many entries (or many bytes, up to a bound) is written by the saver's helper process, from a copy in shared
+        memory, which leaves this process's interpreter to the training loop (see
+        :func:`~ignite_zero.storage.savers.write_process.shared_copy`); any other, or where the helper ends before it
+        answers, as :meth:`write_arriving` writes it."""
+        if self.is_writer and self._helper_may_write():
+            arriving.finish()
+            shared = shared_copy(content, self._shared_copies.setdefault(request.stream, HostBuffers()))
+            if shared is not None and self._write_in_helper(content, request.filename, shared):
+                return
+        self.write_arriving(content, request, arriving)
+
+    def _helper_may_write(self) -> bool:
+        """Whether the helper may write this saver's files as it would: torch's archive, written by this package, of
+        a local file, by this class's own methods (code written for ignite replaces some)."""
+        return (
+            isinstance(self.place, LocalPlace)
+            and self._writes_archive(_TORCH_SAVE)
+            and _unchanged(self, "__call__", "write", "write_arriving", "_save_func", "_dump")
+        )
+
+    @functools.cached_property
+    def _write_process(self) -> WriteProcess:
+        return WriteProcess()
+
+    def _write_in_helper(self, checkpoint: Mapping, filename: str, shared: SharedCheckpoint) -> bool:
+        """Write ``checkpoint``, copied as ``shared``, as the file ``filename`` in the helper: whether it did."""
+        with self._room_for(checkpoint, filename):
+            started = time.perf_counter()
+            written = self._write_process.write_archive(
+                self.place,
+                filename,
+                shared,
+                atomic=self._atomic,
+                pickle_protocol=self._pickle_protocol,
+                facts=self._facts(),
+            )
+        if written:
+            self._saved(filename, started)
+        return written
 
     def write_streamed(
         self,
@@ -159,13 +207,20 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
         if not self.is_writer:
             return
+        with self._room_for(checkpoint, filename):
+            self._save_func(checkpoint, self.place.location(filename), torch.save)
+
+    @contextlib.contextmanager
+    def _room_for(self, checkpoint: Mapping, filename: str) -> Iterator[None]:
+        """Check the directory, the name and the keywords, and make room for ``checkpoint`` as ``filename`` (what
+        interrupted saves left removed, its size checked against the free space), for the block that writes it."""
         self._prepare()
         check_filename(filename)
         self._check_keywords()
         with self.writing(filename):
             self._remove_temporaries()
             self._check_room(checkpoint, filename)
-            self._save_func(checkpoint, self.place.location(filename), torch.save)
+            yield
 
     def _save_func(self, checkpoint: Mapping, path: Path | str, func: Callable[..., Any]) -> None:
         """Write ``checkpoint`` as the file ``path`` of this directory with ``func(checkpoint, file, **kwargs)``
@@ -176,6 +231,9 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         filename = PurePosixPath(str(path)).name
         started = time.perf_counter()
         self.place.write(filename, lambda f: self._dump(checkpoint, f, func), atomic=self._atomic)
+        self._saved(filename, started)
+
+    def _saved(self, filename: str, started: float) -> None:
         logger.info(
             "Saved %s (%.1f MB) in %.2f s",
             self.place.location(filename),
@@ -184,32 +242,30 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         )
 
     def _dump(self, checkpoint: Mapping, f: IO[bytes], func: Callable[..., Any]) -> None:
-        stream = SealingStream(f)
-        with _compat.serialization_crc32():
-            try:
-                arriving = self._arriving
-                if self._writes_archive(func):
-                    # torch.save's archive, written by us straight from tensor memory, faster than torch.save, and
-                    # from bytes still arriving (see docs/benchmarks.rst)
-                    source = None if arriving is None else arriving.source
-                    torch_zip.write_archive(
-                        cast(IO[bytes], stream),
-                        checkpoint,
-                        source,
-                        pickle_protocol=self.kwargs.get("pickle_protocol", torch_zip.PICKLE_PROTOCOL),
-                    )
-                else:
-                    if arriving is not None:  # whatever writes it reads every byte: all must be there
-                        arriving.complete()
-                    func(checkpoint, cast(IO[bytes], stream), **self.kwargs)
-            except Exception as error:
-                if stream.error is not None:  # the real cause, e.g. ENOSPC or EIO, instead of torch's summary
-                    raise stream.error from error
-                raise
-        if self.kwargs.get("_use_new_zipfile_serialization", True):
-            stream.seal(world_size=rank_and_world()[1], torch=torch.__version__, ignite_zero=package_version())
-        else:  # the legacy format is no zip: no trailer
-            stream.finish()
+        arriving = self._arriving
+
+        def write(stream: IO[bytes]) -> None:
+            if self._writes_archive(func):
+                # torch.save's archive, written by us straight from tensor memory, faster than torch.save, and from
+                # bytes still arriving (see docs/benchmarks.rst)
+                source = None if arriving is None else arriving.source
+                torch_zip.write_archive(stream, checkpoint, source, pickle_protocol=self._pickle_protocol)
+            else:
+                if arriving is not None:  # whatever writes it reads every byte: all must be there
+                    arriving.complete()
+                func(checkpoint, stream, **self.kwargs)
+
+        # the legacy format is no zip: no trailer
+        write_sealed(f, write, self._facts() if self.kwargs.get("_use_new_zipfile_serialization", True) else None)
+
+    @property
+    def _pickle_protocol(self) -> int:
+        return self.kwargs.get("pickle_protocol", torch_zip.PICKLE_PROTOCOL)
+
+    @staticmethod
+    def _facts() -> dict[str, Any]:
+        """What a file's integrity trailer records for ``ignite-zero inspect``."""
+        return {"world_size": rank_and_world()[1], "torch": torch.__version__, "ignite_zero": package_version()}
 
     def _writes_archive(self, func: Callable[..., Any]) -> bool:
         """Whether :mod:`~ignite_zero.storage.formats.torch_zip` writes the checkpoint instead of ``func``: in place

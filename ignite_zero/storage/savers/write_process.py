@@ -13,6 +13,10 @@ The helper is a new interpreter (not a fork of a process with CUDA and process g
 ignores signals (a job's scheduler signals every process of the job) and exits when its socket closes, as it does
 when its parent exits. If it dies, the thread writes the file it was to write from the same host copies, and the next
 save starts another helper; if none can start here, threads write every file, as they do without a helper.
+
+The same helper writes a consolidated checkpoint of many entries (:meth:`WriteProcess.write_archive`) from a copy
+of it in a shared block (:func:`shared_copy`): torch's archive of it, which a thread would pickle and write record by
+record, holding the interpreter for as long.
 """
 
 from __future__ import annotations
@@ -29,17 +33,29 @@ import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, NamedTuple
 
 import torch
 
-from ignite_zero.staging import SharedBlock, shared_tensor
+from ignite_zero.pickling import join_tensors, split_plain
+from ignite_zero.staging import HostBuffers, SharedBlock, shared_tensor
+from ignite_zero.storage.formats import torch_zip
 from ignite_zero.storage.formats.dcp_files import FileWritten, write_entries
+from ignite_zero.storage.formats.file_trailer import write_sealed
 from ignite_zero.storage.places import LocalPlace, Place
 
-__all__ = ["PROCESS_BYTES", "PROCESS_ENTRIES", "WriteProcess", "serve", "worth_a_process"]
+__all__ = [
+    "ARCHIVE_BYTES",
+    "PROCESS_BYTES",
+    "PROCESS_ENTRIES",
+    "SharedCheckpoint",
+    "WriteProcess",
+    "serve",
+    "shared_copy",
+    "worth_a_process",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +63,59 @@ logger = logging.getLogger(__name__)
 #: a thread writes it in milliseconds, less than the helper costs (a new interpreter: about 3 s of a core to start,
 #: and the resident memory of one that imported torch, about 0.3 GB).
 PROCESS_ENTRIES, PROCESS_BYTES = 256, 64 << 20
+#: The largest consolidated checkpoint its helper writes: the rank that writes it keeps a copy of it in shared memory
+#: from one save to the next, so a larger one is written by the save's thread, from where it lies.
+ARCHIVE_BYTES = 256 << 20
 # The directory that holds this ignite_zero package.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 # A message: its kind and the length of the pickle that follows.
 _HEADER = struct.Struct("<cQ")
 _WRITE, _DONE, _FAILED = b"W", b"D", b"F"
+# What a job asks the helper to write.
+_ENTRIES, _ARCHIVE = "entries", "archive"
 
 
 def worth_a_process(entries: Sequence[Any], block: SharedBlock) -> bool:
     """Whether a rank's part of a save, its ``entries`` copied into ``block``, is large enough for its helper
     (:data:`PROCESS_ENTRIES`, :data:`PROCESS_BYTES`)."""
     return len(entries) >= PROCESS_ENTRIES or block.size >= PROCESS_BYTES
+
+
+class SharedCheckpoint(NamedTuple):
+    """A consolidated checkpoint copied for its helper (see :func:`shared_copy`).
+
+    Attributes:
+        structure: the checkpoint without its tensors (:func:`~ignite_zero.pickling.split_plain`).
+        tensors: copies of its tensors, in order, in ``block``.
+        block: the shared block the helper maps.
+    """
+
+    structure: bytes
+    tensors: list[torch.Tensor]
+    block: SharedBlock
+
+
+def shared_copy(checkpoint: Any, buffers: HostBuffers) -> SharedCheckpoint | None:
+    """``checkpoint`` with its tensors copied into ``buffers``, kept for the next save, in shared memory: where its
+    helper may write it, as :func:`torch.save` would from the checkpoint itself; else ``None``.
+
+    That is a checkpoint large enough for a helper (:func:`worth_a_process`), up to :data:`ARCHIVE_BYTES`, of
+    nothing but plain values (see :func:`~ignite_zero.pickling.split_plain`) and tensors that ``torch.save`` writes
+    as their bytes alone (:func:`~ignite_zero.storage.formats.torch_zip.saved_as_its_bytes`), no two in the same
+    memory (which it writes once), on a system that makes shared blocks.
+    """
+    split = split_plain(checkpoint, torch_zip.saved_as_its_bytes)
+    if split is None:
+        return None
+    structure, tensors = split
+    nbytes = sum(tensor.nbytes for tensor in tensors)
+    if (len(tensors) < PROCESS_ENTRIES and nbytes < PROCESS_BYTES) or nbytes > ARCHIVE_BYTES:
+        return None
+    addresses = [tensor.data_ptr() for tensor in tensors if tensor.nbytes]
+    if len(set(addresses)) < len(addresses):
+        return None
+    copies = buffers.copy(tensors)
+    return None if buffers.block is None else SharedCheckpoint(structure, copies, buffers.block)
 
 
 class WriteProcess:
@@ -89,20 +147,44 @@ class WriteProcess:
         Raises:
             Exception: what the write raised in the helper (``OSError`` for a full disk, say).
         """
-        if isinstance(place, LocalPlace) and not place.path.is_absolute():  # the helper has its own working directory
-            place = LocalPlace(place.path.absolute())
+        place = _absolute(place)
         with self._lock:
             if self._unavailable is None:
                 tensors, values = self._describe(entries, block)
-                try:
-                    kind, answer = self._ask(block, (place, name, tensors, values))
-                except (OSError, EOFError) as error:
-                    self._failed(name, error)
-                else:
-                    if kind == _FAILED:
-                        raise answer
+                answer = self._run(name, block, (_ENTRIES, place, name, tensors, values))
+                if answer is not None:
                     return FileWritten(*answer)
         return write_entries(place, name, entries)
+
+    def write_archive(
+        self, place: Place, name: str, checkpoint: SharedCheckpoint, *, atomic: bool, pickle_protocol: int, facts: Any
+    ) -> bool:
+        """Write ``checkpoint`` as the file ``name`` of ``place`` in the helper, sealed with ``facts``, as
+        :class:`~ignite_zero.DiskSaver` writes it (``atomic``: through a temporary file): whether it did. A helper
+        that ends before it answers leaves the file to the caller, as :meth:`write` does.
+
+        Raises:
+            Exception: what the write raised in the helper (``OSError`` for a full disk, say).
+        """
+        place = _absolute(place)
+        with self._lock:
+            if self._unavailable is None:
+                tensors, _ = self._describe(checkpoint.tensors, checkpoint.block)
+                job = (_ARCHIVE, place, name, atomic, checkpoint.structure, tensors, pickle_protocol, facts)
+                return self._run(name, checkpoint.block, job) is not None
+        return False
+
+    def _run(self, name: str, block: SharedBlock, job: tuple[Any, ...]) -> Any:
+        """The helper's answer to ``job``, which writes the file ``name`` from ``block``; ``None`` where it ended
+        before it answered."""
+        try:
+            kind, answer = self._ask(block, job)
+        except (OSError, EOFError) as error:
+            self._failed(name, error)
+            return None
+        if kind == _FAILED:
+            raise answer
+        return answer
 
     def _describe(self, entries: list[Any], block: SharedBlock) -> tuple[bytes, dict[int, bytes]]:
         """Where the helper finds each tensor of ``entries`` in ``block`` (``None`` at a value), pickled once while
@@ -151,6 +233,13 @@ class WriteProcess:
         if helper is not None:
             helper.close.detach()
             helper.connection.close()
+
+
+def _absolute(place: Place) -> Place:
+    """``place`` with an absolute path: the helper has its own working directory."""
+    if isinstance(place, LocalPlace) and not place.path.is_absolute():
+        return LocalPlace(place.path.absolute())
+    return place
 
 
 class _Helper:
@@ -251,11 +340,11 @@ def serve(fd: int) -> None:
     connection = socket.socket(fileno=fd)
     while True:
         try:
-            _, (place, name, tensors, values), fds = _receive_with_fds(connection)
+            _, (kind, *job), fds = _receive_with_fds(connection)
         except EOFError:
             return
         try:
-            answer: tuple[bytes, Any] = (_DONE, tuple(_write_from(fds[0], place, name, tensors, values)))
+            answer: tuple[bytes, Any] = (_DONE, _JOBS[kind](_mapped(fds[0]), *job))
         except Exception as error:
             try:
                 pickle.loads(pickle.dumps(error))
@@ -265,13 +354,41 @@ def serve(fd: int) -> None:
         _send(connection, *answer)
 
 
-def _write_from(fd: int, place: Place, name: str, tensors: bytes, values: dict[int, bytes]) -> FileWritten:
-    """Write the file ``name`` of ``place`` from the block of descriptor ``fd``, mapped for this file alone: its
-    entries are the tensors ``tensors`` describes (see :meth:`WriteProcess._describe`), and ``values`` by position."""
+def _mapped(fd: int) -> mmap.mmap:
+    """The block of descriptor ``fd``, mapped for one job alone."""
     try:
-        block = mmap.mmap(fd, 0)
+        return mmap.mmap(fd, 0)
     finally:
         os.close(fd)
+
+
+def _write_from(block: mmap.mmap, place: Place, name: str, tensors: bytes, values: dict[int, bytes]) -> tuple[Any, ...]:
+    """Write the file ``name`` of ``place`` from ``block``: its entries are the tensors ``tensors`` describes (see
+    :meth:`WriteProcess._describe`), and ``values`` by position."""
     described = pickle.loads(tensors)
     entries = [values[n] if where is None else shared_tensor(block, where) for n, where in enumerate(described)]
-    return write_entries(place, name, entries)
+    return tuple(write_entries(place, name, entries))
+
+
+def _write_archive_from(
+    block: mmap.mmap,
+    place: Place,
+    name: str,
+    atomic: bool,
+    structure: bytes,
+    tensors: bytes,
+    pickle_protocol: int,
+    facts: Any,
+) -> tuple[()]:
+    """Write the file ``name`` of ``place``: torch's archive of the checkpoint ``structure`` whose tensors are those
+    ``tensors`` describes in ``block``, sealed with ``facts``."""
+    checkpoint = join_tensors(structure, [shared_tensor(block, where) for where in pickle.loads(tensors)])
+
+    def archive(stream: IO[bytes]) -> None:
+        torch_zip.write_archive(stream, checkpoint, pickle_protocol=pickle_protocol)
+
+    place.write(name, lambda f: write_sealed(f, archive, facts), atomic=atomic)
+    return ()
+
+
+_JOBS: dict[str, Callable[..., tuple[Any, ...]]] = {_ENTRIES: _write_from, _ARCHIVE: _write_archive_from}

@@ -1,7 +1,9 @@
-"""The process that writes asynchronous sharded saves: it writes the very bytes a thread writes, from host copies it
-maps, raises the write's own errors and ends with its parent (not with a forked child); a file whose helper died is
-written by the thread, and the next write starts another helper; where none can start, threads write every file."""
+"""The process that writes asynchronous saves: it writes the very bytes a thread writes, from host copies it maps
+(a sharded save's files, a consolidated checkpoint of many plain entries), raises the write's own errors and ends with
+its parent (not with a forked child); a file whose helper died is written by the thread, and the next write starts
+another helper; where none can start, threads write every file."""
 
+import collections
 import errno
 import logging
 import os
@@ -15,12 +17,14 @@ from ignite.engine import Engine
 from launcher import run_ranks
 from torch.distributed.fsdp import fully_shard
 
-from ignite_zero import Checkpoint, ShardedSaver
+from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
 from ignite_zero.staging import HostBuffers
+from ignite_zero.storage.formats import torch_zip
 from ignite_zero.storage.formats.dcp_files import write_entries
 from ignite_zero.storage.formats.directory import verify
+from ignite_zero.storage.formats.file_trailer import write_sealed
 from ignite_zero.storage.places import LocalPlace
-from ignite_zero.storage.savers.write_process import WriteProcess
+from ignite_zero.storage.savers.write_process import WriteProcess, shared_copy
 
 
 def _tensors():
@@ -179,3 +183,133 @@ def test_where_the_system_makes_no_memfd_the_copies_are_private(monkeypatch):
     copies = buffers.copy(tensors)
     assert buffers.block is None
     assert all(torch.equal(copy, tensor) for copy, tensor in zip(copies, tensors))
+
+
+def _checkpoint():
+    generator = torch.Generator().manual_seed(1)
+    return {
+        "model": collections.OrderedDict(
+            (f"layers.{n}.weight", torch.randn(8, 8, generator=generator)) for n in range(300)
+        ),
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(0, 4)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0], "foreach": None}],
+        },
+        "large": torch.randn(512, 1024, generator=generator),  # written straight from its memory
+        "misc": [torch.Size([2, 3]), torch.float16, torch.device("cpu"), b"bytes", 1 + 2j, "name"],
+    }
+
+
+def test_the_helper_writes_a_consolidated_file_as_the_thread_does(tmp_path, caplog):
+    checkpoint = _checkpoint()
+    shared = shared_copy(checkpoint, HostBuffers())
+    assert shared is not None and len(shared.tensors) == 303
+    facts = {"world_size": 1, "torch": torch.__version__}
+    process = WriteProcess()
+    assert process.write_archive(
+        _place(tmp_path / "helper"), "c.pt", shared, atomic=True, pickle_protocol=2, facts=facts
+    )
+    assert process.pid is not None and process.pid != os.getpid()
+
+    def archive(stream):
+        torch_zip.write_archive(stream, checkpoint, pickle_protocol=2)
+
+    _place(tmp_path / "thread").write("c.pt", lambda f: write_sealed(f, archive, facts))
+    assert (tmp_path / "helper" / "c.pt").read_bytes() == (tmp_path / "thread" / "c.pt").read_bytes()
+    loaded = torch.load(tmp_path / "helper" / "c.pt")
+    assert torch.equal(loaded["large"], checkpoint["large"]) and loaded["misc"] == checkpoint["misc"]
+
+    # the write's own error, raised here; the helper goes on
+    helper = process.pid
+    with pytest.raises(FileNotFoundError):
+        process.write_archive(
+            LocalPlace(tmp_path / "nowhere"), "c.pt", shared, atomic=True, pickle_protocol=2, facts=facts
+        )
+    assert process.pid == helper
+
+    # a helper that dies in a write leaves the file to the caller
+    with caplog.at_level(logging.WARNING, logger="ignite_zero.storage.savers.write_process"):
+        written = process.write_archive(
+            _EndsTheHelper(tmp_path), "c.pt", shared, atomic=True, pickle_protocol=2, facts=facts
+        )
+    assert not written and "ended (exit code 3) while it was to write c.pt" in caplog.text
+    assert process.pid is None
+
+
+class _Opaque:
+    """An object of the user's own class, which the helper would have to import."""
+
+
+def test_only_plain_checkpoints_of_many_entries_are_copied_for_the_helper(monkeypatch):
+    buffers = HostBuffers()
+    assert shared_copy(_checkpoint(), buffers) is not None
+    weight = torch.randn(4, 4)
+    for refused in (
+        {"user object": _Opaque()},
+        {"learning": torch.randn(2, requires_grad=True)},
+        {"parameter": torch.nn.Parameter(torch.randn(2), requires_grad=False)},
+        {"view": torch.randn(4, 4)[1]},
+        {"transposed": torch.randn(4, 3).t()},
+        {"same memory": [weight, weight.view(16)]},
+    ):
+        assert shared_copy({**_checkpoint(), **refused}, buffers) is None, refused
+    assert shared_copy({"few": [torch.randn(3) for _ in range(10)]}, buffers) is None  # a thread's milliseconds
+    monkeypatch.setattr("ignite_zero.storage.savers.write_process.ARCHIVE_BYTES", 1 << 20)
+    assert shared_copy(_checkpoint(), buffers) is None  # larger: written from where it lies
+
+
+def _model_and_optimizer(layers=40):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(layers)))  # 80 tensors, and Adam's 240
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    return {"model": model, "optimizer": optimizer}
+
+
+def test_asynchronous_consolidated_saves_are_written_by_a_helper_as_a_synchronous_save(tmp_path, caplog):
+    objects = _model_and_optimizer()
+    engine = Engine(lambda e, b: None)
+    background = Checkpoint(objects, DiskSaver(tmp_path / "async"), n_saved=None, async_save=True)
+    helpers = []
+    for iteration in (1, 2):
+        engine.state.iteration = iteration
+        background(engine)
+        background.wait()
+        helpers.append(background.save_handler._write_process.pid)
+    assert helpers[0] is not None and helpers[0] == helpers[1] != os.getpid()
+    Checkpoint(objects, DiskSaver(tmp_path / "sync"))(engine)
+    synchronous = (tmp_path / "sync" / "checkpoint_2.pt").read_bytes()
+    assert (tmp_path / "async" / "checkpoint_2.pt").read_bytes() == synchronous
+
+    # a helper that dies in the write leaves it to the save's thread
+    dying = Checkpoint(objects, DiskSaver(_EndsTheHelper(tmp_path / "dying")), async_save=True)
+    with caplog.at_level(logging.WARNING, logger="ignite_zero.storage.savers.write_process"):
+        dying(engine)
+        dying.wait()
+    assert "while it was to write checkpoint_2.pt" in caplog.text
+    assert (tmp_path / "dying" / "checkpoint_2.pt").read_bytes() == synchronous
+
+
+def _consolidated_async_saves(rank, world_size, dirname):
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(50))))  # 400 entries
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    optimizer.step()
+    objects = {"model": model, "optimizer": optimizer}
+    engine = Engine(lambda e, b: None)
+    engine.state.iteration = 1
+    background = Checkpoint(objects, DiskSaver(dirname / "async"), async_save=True, consolidate_recipient_rank=1)
+    background(engine)
+    background.wait()
+    Checkpoint(objects, DiskSaver(dirname / "sync"), consolidate_recipient_rank=1)(engine)
+    return background.save_handler._write_process.pid
+
+
+@pytest.mark.distributed
+def test_the_recipient_s_helper_writes_what_the_ranks_gathered(tmp_path):
+    helpers = run_ranks(_consolidated_async_saves, 2, tmp_path)
+    assert helpers[0] is None and helpers[1] not in (None, os.getpid())  # the recipient alone writes
+    synchronous = (tmp_path / "sync" / "checkpoint_1.pt").read_bytes()
+    assert (tmp_path / "async" / "checkpoint_1.pt").read_bytes() == synchronous
