@@ -133,21 +133,30 @@ def test_where_no_helper_can_start_threads_write_every_file(tmp_path, monkeypatc
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "reference" / "f").read_bytes()
 
 
-def _async_saves(rank, world_size, dirname):
+def _fsdp2_objects(rank):
     torch.manual_seed(0)
     # 50 layers in one unit: about 350 entries a rank, enough for the helper (a smaller part is written by a thread)
     model = fully_shard(torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(50))))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).sum().backward()
     optimizer.step()
-    objects = {"model": model, "optimizer": optimizer}
+    return {"model": model, "optimizer": optimizer}
+
+
+def _saved(handler, engine, iteration):
+    """``handler``'s asynchronous save at ``iteration``, once durable."""
+    engine.state.iteration = iteration
+    handler(engine)
+    handler.wait()
+
+
+def _async_saves(rank, world_size, dirname):
+    objects = _fsdp2_objects(rank)
     engine = Engine(lambda e, b: None)
     background = Checkpoint(objects, ShardedSaver(dirname / "async"), n_saved=None, async_save=True)
     helpers = []
     for iteration in (1, 2):
-        engine.state.iteration = iteration
-        background(engine)
-        background.wait()
+        _saved(background, engine, iteration)
         helpers.append(background.save_handler.kept.write_process.pid)
         if rank == 1 and iteration == 1:  # a helper that died between saves is replaced
             os.kill(helpers[0], signal.SIGKILL)
@@ -273,9 +282,7 @@ def test_asynchronous_consolidated_saves_are_written_by_a_helper_as_a_synchronou
     background = Checkpoint(objects, DiskSaver(tmp_path / "async"), n_saved=None, async_save=True)
     helpers = []
     for iteration in (1, 2):
-        engine.state.iteration = iteration
-        background(engine)
-        background.wait()
+        _saved(background, engine, iteration)
         helpers.append(background.save_handler._write_process.pid)
     assert helpers[0] is not None and helpers[0] == helpers[1] != os.getpid()
     Checkpoint(objects, DiskSaver(tmp_path / "sync"))(engine)
@@ -292,17 +299,10 @@ def test_asynchronous_consolidated_saves_are_written_by_a_helper_as_a_synchronou
 
 
 def _consolidated_async_saves(rank, world_size, dirname):
-    torch.manual_seed(0)
-    model = fully_shard(torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(50))))  # 400 entries
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).sum().backward()
-    optimizer.step()
-    objects = {"model": model, "optimizer": optimizer}
+    objects = _fsdp2_objects(rank)  # 400 entries gathered
     engine = Engine(lambda e, b: None)
-    engine.state.iteration = 1
     background = Checkpoint(objects, DiskSaver(dirname / "async"), async_save=True, consolidate_recipient_rank=1)
-    background(engine)
-    background.wait()
+    _saved(background, engine, 1)
     Checkpoint(objects, DiskSaver(dirname / "sync"), consolidate_recipient_rank=1)(engine)
     return background.save_handler._write_process.pid
 
