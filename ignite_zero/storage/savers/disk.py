@@ -130,14 +130,14 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         self._write_arriving(content, request.filename, arrived, request.metadata)
 
     def write_in_background(self, content: Any, request: SaveRequest, arriving: Overlap) -> None:
-        """Write the checkpoint of an asynchronous save, in its thread: once every byte has arrived, a checkpoint of
-        many entries (or many bytes, up to a bound) is written by the saver's helper process, from a copy in shared
+        """Write the checkpoint of an asynchronous save, in its thread: a checkpoint of many entries (or many bytes, up
+        to a bound) is written by the saver's helper process once every byte has arrived, from a copy in shared
         memory, which leaves this process's interpreter to the training loop (see
         :func:`~ignite_zero.storage.savers.write_process.shared_copy`); any other, or where the helper ends before it
         answers, as :meth:`write_arriving` writes it."""
         if self.is_writer and self._helper_may_write():
-            arriving.finish()
-            shared = shared_copy(content, self._shared_copies.setdefault(request.stream, HostBuffers()))
+            buffers = self._shared_copies.setdefault(request.stream, HostBuffers())
+            shared = shared_copy(content, buffers, arriving.finish)
             if shared is not None and self._write_in_helper(content, request.filename, shared):
                 return
         self.write_arriving(content, request, arriving)

@@ -95,9 +95,11 @@ class SharedCheckpoint(NamedTuple):
     block: SharedBlock
 
 
-def shared_copy(checkpoint: Any, buffers: HostBuffers) -> SharedCheckpoint | None:
-    """``checkpoint`` with its tensors copied into ``buffers``, kept for the next save, in shared memory: where its
-    helper may write it, as :func:`torch.save` would from the checkpoint itself; else ``None``.
+def shared_copy(checkpoint: Any, buffers: HostBuffers, arrived: Callable[[], None]) -> SharedCheckpoint | None:
+    """``checkpoint`` with its tensors copied into ``buffers``, kept for the next save, in shared memory, once
+    ``arrived()`` put every byte in their memory: where its helper may write it, as :func:`torch.save` would from the
+    checkpoint itself; else ``None``, before ``arrived()``, so that a larger checkpoint is still written as its bytes
+    arrive, never held whole.
 
     That is a checkpoint large enough for a helper (:func:`worth_a_process`), up to :data:`ARCHIVE_BYTES`, of
     nothing but plain values (see :func:`~ignite_zero.pickling.split_plain`) and tensors that ``torch.save`` writes
@@ -114,6 +116,7 @@ def shared_copy(checkpoint: Any, buffers: HostBuffers) -> SharedCheckpoint | Non
     addresses = [tensor.data_ptr() for tensor in tensors if tensor.nbytes]
     if len(set(addresses)) < len(addresses):
         return None
+    arrived()
     copies = buffers.copy(tensors)
     return None if buffers.block is None else SharedCheckpoint(structure, copies, buffers.block)
 

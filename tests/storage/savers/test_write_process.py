@@ -211,7 +211,7 @@ def _checkpoint():
 
 def test_the_helper_writes_a_consolidated_file_as_the_thread_does(tmp_path, caplog):
     checkpoint = _checkpoint()
-    shared = shared_copy(checkpoint, HostBuffers())
+    shared = shared_copy(checkpoint, HostBuffers(), lambda: None)
     assert shared is not None and len(shared.tensors) == 303
     facts = {"world_size": 1, "torch": torch.__version__}
     process = WriteProcess()
@@ -245,13 +245,17 @@ def test_the_helper_writes_a_consolidated_file_as_the_thread_does(tmp_path, capl
     assert process.pid is None
 
 
+def _never():
+    raise AssertionError("a checkpoint the helper does not write is not made to arrive whole")
+
+
 class _Opaque:
     """An object of the user's own class, which the helper would have to import."""
 
 
 def test_only_plain_checkpoints_of_many_entries_are_copied_for_the_helper(monkeypatch):
     buffers = HostBuffers()
-    assert shared_copy(_checkpoint(), buffers) is not None
+    assert shared_copy(_checkpoint(), buffers, lambda: None) is not None
     weight = torch.randn(4, 4)
     for refused in (
         {"user object": _Opaque()},
@@ -261,10 +265,10 @@ def test_only_plain_checkpoints_of_many_entries_are_copied_for_the_helper(monkey
         {"transposed": torch.randn(4, 3).t()},
         {"same memory": [weight, weight.view(16)]},
     ):
-        assert shared_copy({**_checkpoint(), **refused}, buffers) is None, refused
-    assert shared_copy({"few": [torch.randn(3) for _ in range(10)]}, buffers) is None  # a thread's milliseconds
+        assert shared_copy({**_checkpoint(), **refused}, buffers, _never) is None, refused
+    assert shared_copy({"few": [torch.randn(3) for _ in range(10)]}, buffers, _never) is None  # a thread's milliseconds
     monkeypatch.setattr("ignite_zero.storage.savers.write_process.ARCHIVE_BYTES", 1 << 20)
-    assert shared_copy(_checkpoint(), buffers) is None  # larger: written from where it lies
+    assert shared_copy(_checkpoint(), buffers, _never) is None  # larger: written as its bytes arrive, never held whole
 
 
 def _model_and_optimizer(layers=40):
