@@ -138,7 +138,7 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         if self.is_writer and self._helper_may_write():
             buffers = self._shared_copies.setdefault(request.stream, HostBuffers())
             shared = shared_copy(content, buffers, arriving.finish)
-            if shared is not None and self._write_in_helper(content, request.filename, shared):
+            if shared is not None and self._write_in_helper(request.filename, shared):
                 return
         self.write_arriving(content, request, arriving)
 
@@ -155,9 +155,9 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
     def _write_process(self) -> WriteProcess:
         return WriteProcess()
 
-    def _write_in_helper(self, checkpoint: Mapping, filename: str, shared: SharedCheckpoint) -> bool:
-        """Write ``checkpoint``, copied as ``shared``, as the file ``filename`` in the helper: whether it did."""
-        with self._room_for(checkpoint, filename):
+    def _write_in_helper(self, filename: str, shared: SharedCheckpoint) -> bool:
+        """Write the checkpoint copied as ``shared`` as the file ``filename`` in the helper: whether it did."""
+        with self._room_for(shared, filename):
             started = time.perf_counter()
             written = self._write_process.write_archive(
                 self.place,
@@ -211,7 +211,7 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
             self._save_func(checkpoint, self.place.location(filename), torch.save)
 
     @contextlib.contextmanager
-    def _room_for(self, checkpoint: Mapping, filename: str) -> Iterator[None]:
+    def _room_for(self, checkpoint: Mapping | SharedCheckpoint, filename: str) -> Iterator[None]:
         """Check the directory, the name and the keywords, and make room for ``checkpoint`` as ``filename`` (what
         interrupted saves left removed, its size checked against the free space), for the block that writes it."""
         self._prepare()
@@ -283,10 +283,16 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
                 f"save() {error}: DiskSaver passes its keyword arguments to torch.save, which takes {accepted}"
             ) from None
 
-    def _check_room(self, checkpoint: Mapping, filename: str) -> None:
+    def _check_room(self, checkpoint: Mapping | SharedCheckpoint, filename: str) -> None:
         """Fail before writing, clearly, when the new file cannot fit beside the ones it will replace."""
         free = self.place.free_space()
-        check_room(self.place, filename, serialized_size(checkpoint) if free is not None else 0, free)
+        if free is None:
+            needed = 0
+        elif isinstance(checkpoint, SharedCheckpoint):  # sized by its copy, without a walk over every entry
+            needed = checkpoint.serialized_size
+        else:
+            needed = serialized_size(checkpoint)
+        check_room(self.place, filename, needed, free)
 
 
 class _Arriving(NamedTuple):

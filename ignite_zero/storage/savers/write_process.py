@@ -94,6 +94,13 @@ class SharedCheckpoint(NamedTuple):
     tensors: list[torch.Tensor]
     block: SharedBlock
 
+    @property
+    def serialized_size(self) -> int:
+        """Upper estimate of the bytes of its file, as
+        :func:`~ignite_zero.storage.savers.destination.serialized_size` gives it: its tensors' bytes, the records
+        and pickled description of each, and its structure."""
+        return self.block.size + 384 * len(self.tensors) + len(self.structure) + (1 << 16)
+
 
 def shared_copy(checkpoint: Any, buffers: HostBuffers, arrived: Callable[[], None]) -> SharedCheckpoint | None:
     """``checkpoint`` with its tensors copied into ``buffers``, kept for the next save, in shared memory, once
