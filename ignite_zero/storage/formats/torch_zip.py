@@ -537,20 +537,23 @@ def small_tensor_layout(tensor: Any) -> tuple[Any, ...] | None:
     """The layout of ``tensor`` if :func:`write_small_tensors` can write it: a plain CPU tensor (not a subclass, no
     attributes of its own), contiguous, the whole of its storage, of at most 64 KiB, without conjugate or negative
     bit; else ``None``. Tensors of equal layouts have archives alike but for their bytes."""
-    layout = _lone_tensor_layout(tensor)
-    if layout is None or not 0 < layout[1] <= _SMALL or not _whole_storage(tensor, layout):
+    if not (type(tensor) is torch.Tensor and tensor.is_cpu):
         return None
-    return layout
+    nbytes = tensor.nbytes
+    if not 0 < nbytes <= _SMALL or not saved_as_its_bytes(tensor, out_of_autograd=False):
+        return None
+    # as _lone_tensor_layout() gives it, its tests passed: one template serves a tensor whichever made its layout
+    return (tensor.dtype, nbytes, 0, tuple(tensor.size()), tensor.stride(), tensor.requires_grad, False, False)
 
 
-def saved_as_its_bytes(tensor: torch.Tensor) -> bool:
-    """Whether ``torch.save`` writes ``tensor`` as its bytes alone: a plain CPU tensor out of autograd (as
-    :func:`small_tensor_layout` takes them, at any size), the whole of its storage; a copy of it into any other memory
-    is written alike."""
+def saved_as_its_bytes(tensor: torch.Tensor, out_of_autograd: bool = True) -> bool:
+    """Whether ``torch.save`` writes ``tensor`` as its bytes alone: a plain CPU tensor (as :func:`small_tensor_layout`
+    takes them, at any size), the whole of its storage, and out of autograd unless ``out_of_autograd`` is false; a
+    copy of it into any other memory is written alike."""
     return (  # one test after another, the cheapest first: asked of every tensor of a checkpoint
         type(tensor) is torch.Tensor
         and tensor.is_cpu
-        and not tensor.requires_grad
+        and not (out_of_autograd and tensor.requires_grad)
         and tensor.layout == torch.strided
         and not (tensor.__dict__ or tensor.is_quantized or tensor.is_nested or tensor.is_conj() or tensor.is_neg())
         and tensor.is_contiguous()
