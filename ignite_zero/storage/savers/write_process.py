@@ -1,5 +1,5 @@
-"""The process that writes the files of asynchronous sharded saves, so that their work per entry leaves the
-training loop's interpreter alone.
+"""The process that writes the files of asynchronous saves, so that their work per entry leaves the training loop's
+interpreter alone.
 
 A thread that writes a save in the training process holds the interpreter for everything it does in Python: the
 records and checksums of every entry, thousands of them in a state of many small tensors. A loop bound by Python (as
@@ -129,8 +129,9 @@ def shared_copy(checkpoint: Any, buffers: HostBuffers, arrived: Callable[[], Non
 
 
 class WriteProcess:
-    """A helper process that writes files of entries whose tensors lie in shared blocks; started by the first write,
-    and again by the first write after it ended. Each :class:`~ignite_zero.ShardedSaver` of a rank keeps one."""
+    """A helper process that writes files whose tensors lie in shared blocks; started by the first write, and again by
+    the first write after it ended. Each :class:`~ignite_zero.ShardedSaver` and :class:`~ignite_zero.DiskSaver` of a
+    rank keeps one."""
 
     def __init__(self) -> None:
         self._helper: _Helper | None = None
