@@ -361,13 +361,12 @@ def gather_pieces(
             hold it); on ``dst``, if a rank failed.
     """
     ranks = resolve(group, dst, "dst")
-    manifest = (pieces.regions, pieces.values, pieces.order)
     if ranks.rank != ranks.root:
-        _send_pieces(pieces, manifest, ranks, dst, chunk_bytes, overlap)
+        _send_pieces(pieces, ranks, dst, chunk_bytes, overlap)
         return None
-    manifests = _receive_manifests(manifest, ranks)
+    described = _receive_descriptions(ranks)
     try:
-        order, chosen, chosen_regions, sends = _choose_sources(manifests, ranks.rank)
+        manifests, (order, chosen, chosen_regions, sends) = _planned(pieces, described, ranks.rank)
     except RuntimeError as error:
         for peer in range(ranks.size):
             if peer != ranks.rank:
@@ -387,11 +386,11 @@ def gather_pieces(
     return _assembled(order, full, manifests, ranks)
 
 
-def _send_pieces(
-    pieces: Pieces, manifest: _Manifest, ranks: Ranks, dst: int, chunk_bytes: int, overlap: Overlap | None
-) -> None:
+def _send_pieces(pieces: Pieces, ranks: Ranks, dst: int, chunk_bytes: int, overlap: Overlap | None) -> None:
     """A sender's part of :func:`gather_pieces`: describe its pieces, learn which to send, send their runs."""
-    send_bytes(pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL), dst, ranks.group)
+    # the layout of its pieces pickled apart from its values, which may change while the layout holds
+    layout = pickle.dumps((pieces.regions, pieces.order), protocol=pickle.HIGHEST_PROTOCOL)
+    send_bytes(pickle.dumps((layout, pieces.values), protocol=pickle.HIGHEST_PROTOCOL), dst, ranks.group)
     sends = pickle.loads(receive_bytes(dst, ranks.group, "the plan of the gather"))
     tensors = [run for i in sends for run in pieces.regions[i].box.blocks(pieces.tensors[i])]
     if overlap is None:
@@ -400,13 +399,64 @@ def _send_pieces(
         overlap.send(tensors, dst, ranks.group, chunk_bytes_for(tensors, chunk_bytes))
 
 
-def _receive_manifests(manifest: _Manifest, ranks: Ranks) -> list[_Manifest]:
-    """Every rank's description of its pieces, by group rank (``manifest`` is the root's own)."""
-    manifests: list[Any] = [None] * ranks.size
-    manifests[ranks.rank] = manifest
+def _receive_descriptions(ranks: Ranks) -> list[tuple[bytes, dict[tuple[Any, ...], Any]] | None]:
+    """Every other rank's description of its pieces, by group rank (``None`` for the root): the layout of its pieces,
+    pickled, and its values."""
+    described: list[Any] = [None] * ranks.size
     for peer in range(ranks.size):
         if peer != ranks.rank:
-            manifests[peer] = pickle.loads(receive_bytes(ranks.peer(peer), ranks.group, "its pieces"))
+            described[peer] = pickle.loads(receive_bytes(ranks.peer(peer), ranks.group, "its pieces"))
+    return described
+
+
+class _Plan(NamedTuple):
+    """What :func:`_choose_sources` made of the layouts of every rank's pieces, kept for the next gather of pieces laid
+    out alike (see :func:`_planned`)."""
+
+    own: tuple[list[Region], list[tuple[Any, ...]]]  # the root's regions and order it was made from
+    layouts: list[tuple[list[Region], list[tuple[Any, ...]]] | None]  # every other rank's, unpickled
+    chosen: tuple[Any, ...]  # what _choose_sources returned
+
+
+# The plans of the last gathers, by the root and every other rank's layout as it arrived: a save gathers the same
+# state again and again, laid out alike, and choosing the sources of thousands of tensors costs tens of milliseconds.
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
+_PLANS_KEPT = 8
+
+
+def _planned(
+    pieces: Pieces, described: list[tuple[bytes, dict[tuple[Any, ...], Any]] | None], root: int
+) -> tuple[list[_Manifest], tuple[Any, ...]]:
+    """Every rank's manifest (the root's ``pieces``, the others' ``described``) and :func:`_choose_sources`' plan of
+    them: the plan kept from an earlier gather while every rank's regions and order are the very same (the others'
+    pickled alike, the root's equal), else made afresh and kept."""
+    key = (root, tuple(None if part is None else part[0] for part in described))
+    plan = _PLANS.get(key)  # one look: another thread's gather may clear it meanwhile
+    own = (pieces.regions, pieces.order)
+    if plan is None or plan.own != own:
+        layouts = [None if part is None else pickle.loads(part[0]) for part in described]
+        manifests = _manifests(pieces, described, layouts)
+        plan = _Plan(own, layouts, _choose_sources(manifests, root))
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.clear()
+        _PLANS[key] = plan
+        return manifests, plan.chosen
+    return _manifests(pieces, described, plan.layouts), plan.chosen
+
+
+def _manifests(
+    pieces: Pieces,
+    described: list[tuple[bytes, dict[tuple[Any, ...], Any]] | None],
+    layouts: list[tuple[list[Region], list[tuple[Any, ...]]] | None],
+) -> list[_Manifest]:
+    """Every rank's manifest: the root's from ``pieces``, the others' from their ``layouts`` and the values they
+    ``described``."""
+    manifests: list[_Manifest] = []
+    for layout, part in zip(layouts, described, strict=True):
+        if layout is None or part is None:  # the root's
+            manifests.append((pieces.regions, pieces.values, pieces.order))
+        else:
+            manifests.append((layout[0], part[1], layout[1]))
     return manifests
 
 

@@ -434,6 +434,58 @@ def _test_inconsistent_pieces(rank: int, world_size: int) -> None:
     assert rank != 0 or torch.equal(result[("x",)], torch.ones(2))
 
 
+def _gathered(
+    rank: int, world_size: int, full: dict[str, torch.Tensor], lr: float = 0.5, root_only: Any = None
+) -> list[Any]:
+    """Gather ``full`` as :func:`_pieces_of` holds it (the recipient, rank 0, also ``root_only``), check it there;
+    the plans kept then."""
+    pieces = _pieces_of(rank, world_size, full)
+    pieces.values[("lr",)] = lr
+    if rank == 0 and root_only is not None:
+        pieces.add_whole(("root_only",), root_only)
+    result = gather_pieces(pieces, 0)
+    if rank == 0:
+        for name, tensor in full.items():
+            assert_same(result[(name,)], tensor)
+        assert result[("lr",)] == lr and result[("tied",)] is result[("flat",)]
+        if root_only is not None:
+            assert_same(result[("root_only",)], root_only)
+    return list(regions_module._PLANS.values())
+
+
+def _test_a_plan_is_kept_while_the_layout_holds(rank: int, world_size: int) -> None:
+    regions_module._PLANS.clear()
+    full = _full()
+    plans = _gathered(rank, world_size, full)
+    assert len(plans) == (1 if rank == 0 else 0)  # the recipient alone plans
+    # the same layout, other bytes and values: the very plan, the new bytes and values gathered
+    doubled = {name: tensor * 2 for name, tensor in full.items()}
+    kept = _gathered(rank, world_size, doubled, lr=0.25)
+    assert len(kept) == len(plans) and all(a is b for a, b in zip(kept, plans))
+    # a tensor of another dtype, of another shape, pieces of the recipient alone changed: each planned afresh
+    columns = torch.randn(3, 13, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for state, root_only in (
+        ({**full, "flat": full["flat"].double()}, None),
+        ({**full, "columns": columns}, None),
+        (full, torch.ones(3)),
+    ):
+        kept = _gathered(rank, world_size, state, root_only=root_only)
+        assert rank != 0 or sum(all(new is not plan for plan in plans) for new in kept) == 1
+        plans = kept
+    # pieces that overlap once plans are kept: refused on every rank all the same
+    overlapping = Pieces()
+    overlapping.add(("w",), Box.range((world_size + 1,), rank, 2), torch.ones(2))
+    with pytest.raises(RuntimeError, match=r"Pieces of w overlap"):
+        gather_pieces(overlapping, 0)
+    _gathered(rank, world_size, full)  # the group is still usable
+
+
+@pytest.mark.distributed
+def test_a_gather_keeps_its_plan_while_the_layout_holds() -> None:
+    """Plans once: the recipient chooses the sources of each block again only where a rank's pieces changed."""
+    run_ranks(_test_a_plan_is_kept_while_the_layout_holds, 3)  # replicas at 3 ranks: the plan chooses among them
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gather_pieces_assembles_full_tensors_on_any_rank(world_size: int) -> None:
