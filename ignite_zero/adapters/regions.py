@@ -9,6 +9,7 @@ from one rank (replicas send nothing), and receives it in place.
 from __future__ import annotations
 
 import copy
+import hashlib
 import itertools
 import math
 import pickle
@@ -413,12 +414,12 @@ class _Plan(NamedTuple):
     """What :func:`_choose_sources` made of the layouts of every rank's pieces, kept for the next gather of pieces laid
     out alike (see :func:`_planned`)."""
 
-    own: tuple[list[Region], list[tuple[Any, ...]]]  # the root's regions and order it was made from
-    layouts: list[tuple[list[Region], list[tuple[Any, ...]]] | None]  # every other rank's, unpickled
+    own: tuple[list[Region], list[tuple[Any, ...]]]  # a copy of the root's regions and order it was made from
     chosen: tuple[Any, ...]  # what _choose_sources returned
 
 
-# The plans of the last gathers, by the root and every other rank's layout as it arrived: a save gathers the same
+# The plans of the last gathers, by the root and a digest of every other rank's layout as it arrived (the layouts
+# themselves would hold as much memory as all ranks' descriptions, for as long as the plan): a save gathers the same
 # state again and again, laid out alike, and choosing the sources of thousands of tensors costs tens of milliseconds.
 _PLANS: dict[tuple[Any, ...], _Plan] = {}
 _PLANS_KEPT = 8
@@ -428,36 +429,28 @@ def _planned(
     pieces: Pieces, described: list[tuple[bytes, dict[tuple[Any, ...], Any]] | None], root: int
 ) -> tuple[list[_Manifest], tuple[Any, ...]]:
     """Every rank's manifest (the root's ``pieces``, the others' ``described``) and :func:`_choose_sources`' plan of
-    them: the plan kept from an earlier gather while every rank's regions and order are the very same (the others'
-    pickled alike, the root's equal), else made afresh and kept."""
-    key = (root, tuple(None if part is None else part[0] for part in described))
+    them: the plan kept from an earlier gather while every rank's regions and order are the same (the others' pickled
+    alike, the root's equal), else made afresh and kept."""
+    manifests = [
+        (pieces.regions, pieces.values, pieces.order) if part is None else _manifest(*part) for part in described
+    ]
+    key = (
+        root,
+        tuple(None if part is None else hashlib.blake2b(part[0], digest_size=32).digest() for part in described),
+    )
     plan = _PLANS.get(key)  # one look: another thread's gather may clear it meanwhile
-    own = (pieces.regions, pieces.order)
-    if plan is None or plan.own != own:
-        layouts = [None if part is None else pickle.loads(part[0]) for part in described]
-        manifests = _manifests(pieces, described, layouts)
-        plan = _Plan(own, layouts, _choose_sources(manifests, root))
+    if plan is None or plan.own != (pieces.regions, pieces.order):
+        plan = _Plan((list(pieces.regions), list(pieces.order)), _choose_sources(manifests, root))
         if len(_PLANS) >= _PLANS_KEPT:
             _PLANS.clear()
         _PLANS[key] = plan
-        return manifests, plan.chosen
-    return _manifests(pieces, described, plan.layouts), plan.chosen
+    return manifests, plan.chosen
 
 
-def _manifests(
-    pieces: Pieces,
-    described: list[tuple[bytes, dict[tuple[Any, ...], Any]] | None],
-    layouts: list[tuple[list[Region], list[tuple[Any, ...]]] | None],
-) -> list[_Manifest]:
-    """Every rank's manifest: the root's from ``pieces``, the others' from their ``layouts`` and the values they
-    ``described``."""
-    manifests: list[_Manifest] = []
-    for layout, part in zip(layouts, described, strict=True):
-        if layout is None or part is None:  # the root's
-            manifests.append((pieces.regions, pieces.values, pieces.order))
-        else:
-            manifests.append((layout[0], part[1], layout[1]))
-    return manifests
+def _manifest(layout: bytes, values: dict[tuple[Any, ...], Any]) -> _Manifest:
+    """A rank's manifest from the layout of its pieces, pickled, and its values."""
+    regions, order = pickle.loads(layout)
+    return regions, values, order
 
 
 def _ask_for_pieces(
