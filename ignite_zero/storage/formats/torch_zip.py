@@ -537,13 +537,10 @@ def small_tensor_layout(tensor: Any) -> tuple[Any, ...] | None:
     """The layout of ``tensor`` if :func:`write_small_tensors` can write it: a plain CPU tensor (not a subclass, no
     attributes of its own), contiguous, the whole of its storage, of at most 64 KiB, without conjugate or negative
     bit; else ``None``. Tensors of equal layouts have archives alike but for their bytes."""
-    if not (type(tensor) is torch.Tensor and tensor.is_cpu):
-        return None
-    nbytes = tensor.nbytes
-    if not 0 < nbytes <= _SMALL or not saved_as_its_bytes(tensor, out_of_autograd=False):
+    if not (saved_as_its_bytes(tensor, out_of_autograd=False) and 0 < tensor.nbytes <= _SMALL):
         return None
     # as _lone_tensor_layout() gives it, its tests passed: one template serves a tensor whichever made its layout
-    return (tensor.dtype, nbytes, 0, tuple(tensor.size()), tensor.stride(), tensor.requires_grad, False, False)
+    return (tensor.dtype, tensor.nbytes, 0, tuple(tensor.size()), tensor.stride(), tensor.requires_grad, False, False)
 
 
 def saved_as_its_bytes(tensor: torch.Tensor, out_of_autograd: bool = True) -> bool:
