@@ -472,6 +472,13 @@ def _test_a_plan_is_kept_while_the_layout_holds(rank: int, world_size: int) -> N
         kept = _gathered(rank, world_size, state, root_only=root_only)
         assert rank != 0 or sum(all(new is not plan for plan in plans) for new in kept) == 1
         plans = kept
+    # the recipient's very pieces, added to after their gather: planned afresh all the same
+    pieces = _pieces_of(rank, world_size, full)
+    gather_pieces(pieces, 0)
+    if rank == 0:
+        pieces.add_whole(("late",), torch.ones(2))
+    result = gather_pieces(pieces, 0)
+    assert rank != 0 or torch.equal(result[("late",)], torch.ones(2))
     # pieces that overlap once plans are kept: refused on every rank all the same
     overlapping = Pieces()
     overlapping.add(("w",), Box.range((world_size + 1,), rank, 2), torch.ones(2))
