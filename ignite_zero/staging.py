@@ -13,6 +13,7 @@ beyond it).
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import uuid
@@ -34,6 +35,7 @@ __all__ = [
     "Streams",
     "current_streams",
     "detached",
+    "makes_shared_blocks",
     "on_host",
     "owns_its_bytes",
     "shared_tensor",
@@ -213,6 +215,19 @@ class SharedTensor(NamedTuple):
     shape: tuple[int, ...]
 
 
+@functools.cache
+def makes_shared_blocks() -> bool:
+    """Whether this system makes shared blocks (:class:`SharedBlock`: ``memfd``, Linux 3.17 and later, unless a sandbox
+    refuses it); asked once."""
+    if not hasattr(os, "memfd_create"):
+        return False
+    try:
+        os.close(os.memfd_create("ignite_zero-probe", os.MFD_CLOEXEC))
+    except OSError:
+        return False
+    return True
+
+
 class SharedBlock:
     """One block of host memory that another process can map: a ``memfd`` of ``size`` bytes, named by ``token``.
 
@@ -294,7 +309,7 @@ class HostBuffers:
     @staticmethod
     def _allocate(tensors: Sequence[torch.Tensor], accelerated: bool) -> tuple[list[torch.Tensor], SharedBlock | None]:
         pin = accelerated and torch.cuda.is_available()
-        if hasattr(os, "memfd_create"):
+        if makes_shared_blocks():
             places, size = [], 0
             for tensor in tensors:
                 nbytes = tensor.numel() * tensor.element_size()

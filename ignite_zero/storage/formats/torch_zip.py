@@ -535,8 +535,9 @@ def write_archive(
 
 def small_tensor_layout(tensor: Any) -> tuple[Any, ...] | None:
     """The layout of ``tensor`` if :func:`write_small_tensors` can write it: a plain CPU tensor (not a subclass, no
-    attributes of its own), contiguous, the whole of its storage, of at most 64 KiB, without conjugate or negative
-    bit; else ``None``. Tensors of equal layouts have archives alike but for their bytes."""
+    attributes of its own), contiguous with the strides ``torch.empty`` gives its shape, the whole of its storage, of
+    at most 64 KiB, without conjugate or negative bit; else ``None``. Tensors of equal layouts have archives alike but
+    for their bytes."""
     if not (saved_as_its_bytes(tensor, out_of_autograd=False) and 0 < tensor.nbytes <= _SMALL):
         return None
     # as _lone_tensor_layout() gives it, its tests passed: one template serves a tensor whichever made its layout
@@ -545,8 +546,8 @@ def small_tensor_layout(tensor: Any) -> tuple[Any, ...] | None:
 
 def saved_as_its_bytes(tensor: torch.Tensor, out_of_autograd: bool = True) -> bool:
     """Whether ``torch.save`` writes ``tensor`` as its bytes alone: a plain CPU tensor (as :func:`small_tensor_layout`
-    takes them, at any size), the whole of its storage, and out of autograd unless ``out_of_autograd`` is false; a
-    copy of it into any other memory is written alike."""
+    takes them, at any size), the whole of its storage with the strides ``torch.empty`` gives its shape, and out of
+    autograd unless ``out_of_autograd`` is false; a copy of it into any other memory is written alike."""
     return (  # one test after another, the cheapest first: asked of every tensor of a checkpoint
         type(tensor) is torch.Tensor
         and tensor.is_cpu
@@ -555,7 +556,18 @@ def saved_as_its_bytes(tensor: torch.Tensor, out_of_autograd: bool = True) -> bo
         and not (tensor.__dict__ or tensor.is_quantized or tensor.is_nested or tensor.is_conj() or tensor.is_neg())
         and tensor.is_contiguous()
         and tensor.untyped_storage().nbytes() == tensor.nbytes  # so its offset is 0
+        # contiguous whatever the strides of dimensions of one element or none, which torch.save keeps as they are
+        and not ((1 in tensor.shape or 0 in tensor.shape) and tensor.stride() != _row_major(tensor.shape))
     )
+
+
+def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` as ``torch.empty`` makes it."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 class SmallArchive(NamedTuple):

@@ -135,20 +135,24 @@ class DiskSaver(DirectorySaver, ConsolidatingSaver):
         memory, which leaves this process's interpreter to the training loop (see
         :func:`~ignite_zero.storage.savers.write_process.shared_copy`); any other, or where the helper ends before it
         answers, as :meth:`write_arriving` writes it."""
+        shared = None
         if self.is_writer and self._helper_may_write():
             buffers = self._shared_copies.setdefault(request.stream, HostBuffers())
             shared = shared_copy(content, buffers, arriving.finish)
-            if shared is not None and self._write_in_helper(request.filename, shared):
-                return
+        if shared is None:
+            self._shared_copies.pop(request.stream, None)  # a checkpoint its helper does not write keeps no copy
+        elif self._write_in_helper(request.filename, shared):
+            return
         self.write_arriving(content, request, arriving)
 
     def _helper_may_write(self) -> bool:
         """Whether the helper may write this saver's files as it would: torch's archive, written by this package, of
-        a local file, by this class's own methods (code written for ignite replaces some)."""
+        a local file, by this class's own methods (code written for ignite replaces some), where a helper can run."""
         return (
             isinstance(self.place, LocalPlace)
             and self._writes_archive(_TORCH_SAVE)
             and _unchanged(self, "__call__", "write", "write_arriving", "_save_func", "_dump")
+            and self._write_process.available
         )
 
     @functools.cached_property

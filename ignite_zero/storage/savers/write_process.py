@@ -40,7 +40,7 @@ from typing import IO, Any, NamedTuple
 import torch
 
 from ignite_zero.pickling import join_tensors, split_plain
-from ignite_zero.staging import HostBuffers, SharedBlock, shared_tensor
+from ignite_zero.staging import HostBuffers, SharedBlock, makes_shared_blocks, shared_tensor
 from ignite_zero.storage.formats import torch_zip
 from ignite_zero.storage.formats.dcp_files import FileWritten, write_entries
 from ignite_zero.storage.formats.file_trailer import write_sealed
@@ -113,7 +113,7 @@ def shared_copy(checkpoint: Any, buffers: HostBuffers, arrived: Callable[[], Non
     as their bytes alone (:func:`~ignite_zero.storage.formats.torch_zip.saved_as_its_bytes`), no two in the same
     memory (which it writes once), on a system that makes shared blocks.
     """
-    split = split_plain(checkpoint, torch_zip.saved_as_its_bytes)
+    split = split_plain(checkpoint, torch_zip.saved_as_its_bytes) if makes_shared_blocks() else None
     if split is None:
         return None
     structure, tensors = split
@@ -140,6 +140,12 @@ class WriteProcess:
         self._lock = threading.Lock()  # one file at a time: the files of a save by several threads take turns
         self._described: tuple[tuple[str, list[int | None]], bytes] | None = None  # the last tensors described
         _every_process.add(self)
+
+    @property
+    def available(self) -> bool:
+        """Whether writes go to a helper: false once the first helper could not write a first file, when every write
+        is left to the calling thread."""
+        return self._unavailable is None
 
     @property
     def pid(self) -> int | None:

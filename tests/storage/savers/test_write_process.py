@@ -18,7 +18,7 @@ from launcher import run_ranks
 from torch.distributed.fsdp import fully_shard
 
 from ignite_zero import Checkpoint, DiskSaver, ShardedSaver
-from ignite_zero.staging import HostBuffers
+from ignite_zero.staging import HostBuffers, makes_shared_blocks
 from ignite_zero.storage.formats import torch_zip
 from ignite_zero.storage.formats.dcp_files import write_entries
 from ignite_zero.storage.formats.directory import verify
@@ -270,12 +270,27 @@ def test_only_plain_checkpoints_of_many_entries_are_copied_for_the_helper(monkey
         {"parameter": torch.nn.Parameter(torch.randn(2), requires_grad=False)},
         {"view": torch.randn(4, 4)[1]},
         {"transposed": torch.randn(4, 3).t()},
+        {"strides of its own": torch.randn(1, 4).t()},  # contiguous, but torch.save keeps strides (1, 4)
         {"same memory": [weight, weight.view(16)]},
     ):
         assert shared_copy({**_checkpoint(), **refused}, buffers, _never) is None, refused
     assert shared_copy({"few": [torch.randn(3) for _ in range(10)]}, buffers, _never) is None  # a thread's milliseconds
     monkeypatch.setattr("ignite_zero.storage.savers.write_process.ARCHIVE_BYTES", 1 << 20)
     assert shared_copy(_checkpoint(), buffers, _never) is None  # larger: written as its bytes arrive, never held whole
+
+
+def test_where_the_system_makes_no_shared_block_nothing_is_copied(monkeypatch):
+    def refused(*args):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    makes_shared_blocks.cache_clear()
+    monkeypatch.setattr(os, "memfd_create", refused)
+    try:
+        assert shared_copy(_checkpoint(), HostBuffers(), _never) is None  # the state is written as it arrives
+    finally:
+        monkeypatch.undo()
+        makes_shared_blocks.cache_clear()
+    assert makes_shared_blocks()
 
 
 def _model_and_optimizer(layers=40):
@@ -307,6 +322,24 @@ def test_asynchronous_consolidated_saves_are_written_by_a_helper_as_a_synchronou
         dying.wait()
     assert "while it was to write checkpoint_2.pt" in caplog.text
     assert (tmp_path / "dying" / "checkpoint_2.pt").read_bytes() == synchronous
+
+
+def test_where_no_helper_can_start_the_thread_writes_and_keeps_no_copy(tmp_path, monkeypatch, caplog):
+    objects = _model_and_optimizer()
+    engine = Engine(lambda e, b: None)
+    background = Checkpoint(objects, DiskSaver(tmp_path / "async"), n_saved=None, async_save=True)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    with caplog.at_level(logging.WARNING, logger="ignite_zero.storage.savers.write_process"):
+        _saved(background, engine, 1)
+    assert "its first file" in caplog.text
+    monkeypatch.undo()
+    _saved(background, engine, 2)  # no helper tried again, and no copy made for one
+    assert background.save_handler._write_process.pid is None and background.save_handler._shared_copies == {}
+    Checkpoint(objects, DiskSaver(tmp_path / "sync"))(engine)
+    for name in ("checkpoint_1.pt", "checkpoint_2.pt"):
+        assert torch.load(tmp_path / "async" / name).keys() == torch.load(tmp_path / "sync" / "checkpoint_2.pt").keys()
+    synchronous = (tmp_path / "sync" / "checkpoint_2.pt").read_bytes()
+    assert (tmp_path / "async" / "checkpoint_2.pt").read_bytes() == synchronous
 
 
 def _consolidated_async_saves(rank, world_size, dirname):
