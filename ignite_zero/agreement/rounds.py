@@ -62,6 +62,9 @@ class _Channel:
     # ranks that never came to a round that timed out, each with that round's stream and key: while a rank has still
     # not posted there, a later round of the same stream gives up on it at once rather than after a timeout of its own
     lost: dict[int, tuple[str, str]] = field(default_factory=dict)
+    # the rounds of each stream whose keys are still in the store, each with what it left beyond every round's keys:
+    # this rank's private part, if it had one; on the first rank, the count of the ranks that learnt it gave up
+    unforgotten: dict[str, list[tuple[str, tuple[str, ...]]]] = field(default_factory=dict)
 
 
 # One channel per default process group: a group destroyed and created again starts counting afresh.
@@ -136,11 +139,14 @@ def _round(
     number = channel.rounds.get(stream, 0)
     channel.rounds[stream] = number + 1
     key = f"{_PREFIX}{stream}/{number}"
+    unforgotten = channel.unforgotten.setdefault(stream, [])
+    extra: tuple[str, ...] = ()
 
     privates = None
     try:
         if to is not None:  # before the payload: a rank that finds every payload posted finds every private part too
             store.set(f"{key}/d{rank}", pickle.dumps(private))  # type: ignore[arg-type]  # bytes work too
+            extra = (f"d{rank}",)
         store.set(f"{key}/p{rank}", pickle.dumps((what, payload)))  # type: ignore[arg-type]
         store.add(f"{key}/n", 1)
         try:
@@ -152,6 +158,8 @@ def _round(
             for r in members:
                 if r not in arrived:
                     channel.lost.setdefault(r, (stream, key))
+            # kept until a round that every rank reaches: some may not have read this one yet
+            unforgotten.append((key, (*extra, "gave_up") if rank == members[0] else extra))
             _leave_together(store, f"{key}/gave_up", rank, arrived, timeout)  # every rank that came learns it
             raise
         posted = [pickle.loads(raw) for raw in store.multi_get([f"{key}/p{r}" for r in members])]
@@ -159,7 +167,9 @@ def _round(
             privates = [pickle.loads(raw) for raw in store.multi_get([f"{key}/d{r}" for r in members])]
         for r in members:  # they came: none of them is lost any more
             channel.lost.pop(r, None)
-        _forget(store, f"{_PREFIX}{stream}/{number - 1}", rank, members)
+        for earlier, left in unforgotten:  # every rank reached this round, so all have read those
+            _forget(store, earlier, rank, members, left)
+        unforgotten[:] = [(key, extra)]
         _leave_together(store, f"{key}/done", rank, members, timeout)
     except dist.DistError as error:  # the store itself is gone (DistNetworkError, DistStoreError)
         raise RankFailureError(
@@ -436,14 +446,14 @@ def _silence(store: dist.Store, rank: int) -> float:
     return time.time() - float(store.get(beat_key))
 
 
-def _forget(store: dist.Store, key: str, rank: int, members: list[int]) -> None:
-    # Every rank reached this round, so all have read the previous one: drop its keys to keep the store small.
-    if key.endswith("/-1"):
-        return
-    store.delete_key(f"{key}/p{rank}")
-    store.delete_key(f"{key}/d{rank}")  # a round's private part, if it had one
+def _forget(store: dist.Store, key: str, rank: int, members: list[int], extra: tuple[str, ...]) -> None:
+    """Drop the keys of the round ``key``, which every rank has read, to keep the store small: this rank's payload and
+    ``extra`` (its private part, the count of the ranks that gave up), and on the first rank the round's counters and
+    outcome. Only keys the round made: each deletion is a request to the store."""
+    for name in (f"p{rank}", *extra):
+        store.delete_key(f"{key}/{name}")
     if rank == members[0]:
-        for name in ("n", "state", "done", "gave_up"):
+        for name in ("n", "state", "done"):
             store.delete_key(f"{key}/{name}")
 
 

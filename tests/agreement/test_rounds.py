@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from launcher import run_ranks
 
+from ignite_zero import _compat
 from ignite_zero.agreement import (
     CollectiveTimeoutError,
     RankFailureError,
@@ -186,3 +187,32 @@ def test_together_shares_payloads_and_raises_one_ranks_failure_on_every_rank():
         assert payloads == [0, 2, 4]
         assert "The listing failed on 1 of 3 ranks: rank 1: FileNotFoundError: no such directory: /gone" in text
         assert cause == ("FileNotFoundError" if rank == 1 else None)
+
+
+def _rounds_of_every_kind(rank, world_size):
+    """Rounds with and without private parts, one that rank 1 comes late to (the others give up), then ordinary ones:
+    what the store holds of the stream at the end, of every round but the last."""
+    settle(None, what="test", timeout=10, payload=rank, stream="kept", to=1)
+    agree(rank, what="test", timeout=10, stream="kept")
+    if rank == 1:
+        time.sleep(1.5)
+    with pytest.raises(CollectiveTimeoutError):
+        agree(rank, what="test", timeout=0.5, stream="kept")
+    dist.barrier()
+    settle(None, what="test", timeout=10, payload=rank, stream="kept", to=0)
+    agree(rank, what="test", timeout=10, stream="kept")
+    agree(rank, what="test", timeout=10, stream="kept")
+    dist.barrier()
+    store = _compat.default_store()
+    names = [f"p{r}" for r in range(world_size)] + [f"d{r}" for r in range(world_size)]
+    names += ["n", "state", "done", "gave_up"]
+    return [
+        f"{number}/{name}"
+        for number in range(5)
+        for name in names
+        if store.check([f"ignite_zero/kept/{number}/{name}"])
+    ]
+
+
+def test_every_round_but_the_last_leaves_nothing_in_the_store():
+    assert run_ranks(_rounds_of_every_kind, 2) == [[], []]
