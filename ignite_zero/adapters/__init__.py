@@ -66,8 +66,13 @@ def adapt(objects: Any, recipient_rank: int) -> Any:
             parameters (torch's or fairscale's) of a model that is not among ``objects``.
     """
     unwrapped = tree.map_tree(lambda _, obj: _unwrap(obj), objects)
-    models = [obj for _, obj in tree.leaves(unwrapped) if is_fsdp_module(obj) or is_fairscale_fsdp_module(obj)]
-    return tree.map_tree(lambda path, obj: _adapt(tree.describe(path), obj, models, recipient_rank), unwrapped)
+    modules = [obj for _, obj in tree.leaves(unwrapped) if isinstance(obj, nn.Module)]
+    # each module's kind found once (each test walks every submodule of a model that is not of that kind)
+    fairscale = [module for module in modules if is_fairscale_fsdp_module(module)]
+    models = fairscale + [module for module in modules if module not in fairscale and is_fsdp_module(module)]
+    return tree.map_tree(
+        lambda path, obj: _adapt(tree.describe(path), obj, models, fairscale, recipient_rank), unwrapped
+    )
 
 
 def _unwrap(obj: Any) -> Any:
@@ -76,7 +81,9 @@ def _unwrap(obj: Any) -> Any:
     return obj
 
 
-def _adapt(path: str, obj: Any, models: list[nn.Module], recipient_rank: int) -> Any:
+def _adapt(path: str, obj: Any, models: list[nn.Module], fairscale: list[nn.Module], recipient_rank: int) -> Any:
+    """The adapter of ``obj``, if it needs one; ``models``: the FSDP models (torch's or fairscale's) among the objects,
+    ``fairscale``: those of them that hold fairscale units."""
     if isinstance(obj, ShardedState):
         if obj.recipient_rank != recipient_rank:
             raise ValueError(
@@ -84,22 +91,21 @@ def _adapt(path: str, obj: Any, models: list[nn.Module], recipient_rank: int) ->
                 f"{recipient_rank}; create the adapter with `recipient_rank={recipient_rank}`"
             )
         return obj
-    if is_fairscale_fsdp_module(obj):  # first: its check() refuses a module that holds torch FSDP units too
+    if any(obj is model for model in fairscale):  # first: its check() refuses a module that holds torch FSDP units too
         return FairscaleFSDPModelState(obj, recipient_rank, name=path)
-    if is_fsdp_module(obj):
+    if any(obj is model for model in models):
         return FSDPModelState(obj, recipient_rank)
     if isinstance(obj, RandomState):  # every rank's generators differ
         return PerRank(obj, recipient_rank)
     if callable(getattr(obj, "consolidate_state_dict", None)):
         return ZeROState(obj, recipient_rank)
-    fairscale = isinstance(obj, torch.optim.Optimizer) and holds_fairscale_fsdp_parameters(obj)
-    if isinstance(obj, torch.optim.Optimizer) and (models or holds_sharded_parameters(obj) or fairscale):
+    if isinstance(obj, torch.optim.Optimizer):
         owner = next((model for model in models if owns_parameters(model, obj)), None)
-        if owner is not None and is_fairscale_fsdp_module(owner):
+        if owner is not None and any(owner is model for model in fairscale):
             return FairscaleFSDPOptimizerState(owner, obj, recipient_rank, name=path)
         if owner is not None:
             return FSDPOptimizerState(owner, obj, recipient_rank)
-        if fairscale:
+        if holds_fairscale_fsdp_parameters(obj):
             raise ValueError(
                 f"The optimizer {path} updates parameters of a fairscale FullyShardedDataParallel model, but none of "
                 "the models beside it holds them, so only this rank's shard of its state could be saved. Put its "

@@ -135,8 +135,10 @@ def _kind(module: nn.Module) -> ModuleType:
     Raises:
         ValueError: ``module`` holds both kinds.
     """
-    one = any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
-    two = any(isinstance(m, FSDPModule) for m in module.modules())
+    one = two = False
+    for m in module.modules():  # one walk: a model of many units has no FSDP1 unit to stop at
+        one = one or isinstance(m, FullyShardedDataParallel)
+        two = two or isinstance(m, FSDPModule)
     if one and two:
         raise ValueError(
             "The module mixes FSDP1 (FullyShardedDataParallel) and FSDP2 (fully_shard) units; shard it with one of them"
@@ -162,6 +164,19 @@ class _FSDPState(ShardedState):
                 f"{type(module).__name__} contains no FSDP1 or FSDP2 module: save it and its optimizer as they are"
             )
         self.module = module
+        self._kind: ModuleType | None = None
+
+    @property
+    def kind(self) -> ModuleType:
+        """The module that knows where :attr:`module`'s shards are (``_fsdp1`` or ``_fsdp2``), found at the first use:
+        every save and load asks it several times, and finding it walks every submodule.
+
+        Raises:
+            ValueError: the module holds both kinds.
+        """
+        if self._kind is None:
+            self._kind = _kind(self.module)
+        return self._kind
 
     def check(self) -> None:
         """Validate locally, without communication, that the state can be gathered.
@@ -172,7 +187,7 @@ class _FSDPState(ShardedState):
             RuntimeError: this torch's FSDP1 lacks the internals read to find its shards.
         """
         super().check()
-        self._check_layout(_kind(self.module))
+        self._check_layout(self.kind)
 
     def _check_layout(self, kind: ModuleType) -> None:
         kind.check(self.module)
@@ -216,7 +231,7 @@ class FSDPModelState(_FSDPState):
     def snapshot(self) -> Pieces:
         """This rank's shards, buffers and extra state, as pieces of the full tensors (views)."""
         with torch.no_grad():
-            return _kind(self.module).model_pieces(self.module)
+            return self.kind.model_pieces(self.module)
 
     def assemble(self, snapshot: Pieces, group: Any, overlap: Overlap | None = None) -> dict[str, Any]:
         """Collective over ``group``: the full model state on the recipient, ``{}`` on every other rank."""
@@ -227,7 +242,7 @@ class FSDPModelState(_FSDPState):
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shards as ``torch.distributed.checkpoint.state_dict`` gives them (``DTensor`` for FSDP2,
         ``ShardedTensor`` for FSDP1), by the unwrapped module's names."""
-        return _kind(self.module).sharded_model_state(self.module)
+        return self.kind.sharded_model_state(self.module)
 
     def sharded_template(self, saved: set[tuple[Any, ...]], live: bool = False) -> dict[str, Any]:
         """This rank's shards (FSDP2's own parameters when ``live``), or new tensors laid out alike: reading fills
@@ -235,7 +250,7 @@ class FSDPModelState(_FSDPState):
         return _template(self.sharded_state_dict(), live)
 
     def load_sharded(self, state: Any) -> None:
-        _kind(self.module).load_sharded_model(self.module, state)
+        self.kind.load_sharded_model(self.module, state)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Restore this rank's shards, buffers and extra state from a full model state; local.
@@ -256,7 +271,7 @@ class FSDPModelState(_FSDPState):
     def prepare_load(self, state_dict: Mapping[str, Any], strict: bool = True) -> Callable[[], None]:
         """:meth:`check_entry`, and the plan of the copies into this rank's shards that loads the entry: made
         once, not at the check and again at the load."""
-        plan = _kind(self.module).plan_model_load(self.module, state_dict, strict)
+        plan = self.kind.plan_model_load(self.module, state_dict, strict)
         plan.check()
         return plan.run
 
@@ -333,7 +348,7 @@ class FSDPOptimizerState(OptimizerStateByName, _FSDPState):
 
     def param_layouts(self) -> dict[int, ParamLayout]:
         """The layout of every parameter the optimizer may hold, by ``id``."""
-        return _param_layouts(self.module)
+        return self.kind.param_layouts(self.module)
 
     def _check_layout(self, kind: ModuleType) -> None:
         kind.check_optimizer(self.module, self.obj)  # the model's adapter checks the rest of the module
@@ -344,17 +359,17 @@ class FSDPOptimizerState(OptimizerStateByName, _FSDPState):
         function would create the state with a step)."""
         if not self.obj.state:
             return {"state": {}, "param_groups": self.snapshot()[1]}
-        return _kind(self.module).sharded_optimizer_state(self.module, self.obj)
+        return self.kind.sharded_optimizer_state(self.module, self.obj)
 
     def sharded_template(self, saved: set[tuple[Any, ...]], live: bool = False) -> dict[str, Any] | None:
         """This rank's optimizer state (its own tensors when ``live``), or new tensors laid out alike; ``None`` when
         the checkpoint holds no state, or holds it by index (a plain optimizer's, read whole and then put by
         name)."""
-        names = _kind(self.module).param_names(self.module)
+        names = self.kind.param_names(self.module)
         if not any(path[:1] == ("state",) and path[1] in names for path in saved if len(path) > 1):
             return None
         if self.obj.state:
-            return _template(_kind(self.module).sharded_optimizer_state(self.module, self.obj), live)
+            return _template(self.kind.sharded_optimizer_state(self.module, self.obj), live)
         with quiet_state_dict_apis():  # an optimizer without state gets it from torch's step with zero gradients
             return _template(
                 get_optimizer_state_dict(self.module, self.obj, options=StateDictOptions(full_state_dict=False)), live
@@ -364,7 +379,7 @@ class FSDPOptimizerState(OptimizerStateByName, _FSDPState):
         if not state.get("state"):
             self.load_state_dict(state)
             return
-        _kind(self.module).load_sharded_optimizer(self.module, self.obj, state)
+        self.kind.load_sharded_optimizer(self.module, self.obj, state)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore this rank's part of the optimizer state from a full, name-keyed one; local.
@@ -381,7 +396,7 @@ class FSDPOptimizerState(OptimizerStateByName, _FSDPState):
 
     def prepare_load(self, state_dict: Mapping[str, Any]) -> Callable[[], None]:
         """:meth:`check_entry`, and what loads the entry, with the parameters' layouts found once."""
-        layouts = _param_layouts(self.module)
+        layouts = self.kind.param_layouts(self.module)
         check_optimizer_state(layouts, self.obj, state_dict)
         return lambda: _compat.load_optimizer_state(
             self.obj, local_optimizer_state(layouts, self.obj, state_dict, reuse=True)
