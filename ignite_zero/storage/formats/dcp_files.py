@@ -114,13 +114,19 @@ class _Output:
     def write(self, data: Any) -> None:
         view = memoryview(data)
         if view.nbytes <= _GATHERED_PIECE:
-            self._gathered += view
-            if len(self._gathered) >= _GATHERED:
-                self._write_gathered()
-        else:
-            self._write_gathered()
-            self._stream.write(view)
+            self._gather(view)
+            return
+        self._write_gathered()
+        self._stream.write(view)
         self.size += view.nbytes
+
+    def _gather(self, data: Any) -> None:
+        """Copy ``data`` among the pieces written together."""
+        view = memoryview(data)
+        self._gathered += view
+        self.size += view.nbytes
+        if len(self._gathered) >= _GATHERED:
+            self._write_gathered()
 
     def finish(self) -> None:
         """Write all that is still held."""
@@ -153,7 +159,8 @@ class _Output:
         if not self._small:
             return
         offset = self.size
-        written = torch_zip.write_small_tensors(self.write, self._small, self._small_layouts, self._alignment)
+        # copied, whatever their size: they are made in memory that the next small tensors' archives are made in
+        written = torch_zip.write_small_tensors(self._gather, self._small, self._small_layouts, self._alignment)
         for archive in written:
             self._entry(EntryRecord(offset, archive.size, archive.crc, offset + archive.data_offset, archive.data_crc))
             offset += archive.size

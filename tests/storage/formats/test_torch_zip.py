@@ -177,6 +177,27 @@ def test_small_tensors_written_together_are_each_one_written_alone():
     assert offset == len(together)
 
 
+def test_small_tensors_written_together_again_and_again_in_the_memory_kept(monkeypatch):
+    """Each call makes its archives in the memory the call before it made its own in, grown where it needs more and
+    kept up to a bound (here 64 KiB; past it, memory of the call's own): every call's archives are still the bytes
+    each tensor's archive has alone."""
+    monkeypatch.setattr(torch_zip, "_SCRATCH_KEPT", 64 << 10)
+    generator = torch.Generator().manual_seed(3)
+    batches = [
+        [torch.randn(4, 4, generator=generator) for _ in range(3)],
+        [torch.randn(32, 64, generator=generator) for _ in range(6)],  # more than kept: its own memory
+        [torch.randn(8, generator=generator) for _ in range(2)] + [torch.tensor(float(n)) for n in range(3)],
+        [torch.randn(16, 16, generator=generator).to(torch.bfloat16) for _ in range(5)],
+    ]
+    for tensors in batches:
+        written = bytearray()
+        torch_zip.write_small_tensors(written.extend, tensors, list(map(torch_zip.small_tensor_layout, tensors)), 64)
+        alone = bytearray()
+        for tensor in tensors:
+            write_archive(alone.extend, tensor, alignment=64)
+        assert written == alone
+
+
 def test_small_tensors_written_together_take_the_alignment_given():
     tensors = [torch.full((3,), float(i)) for i in range(4)]
     written = bytearray()
