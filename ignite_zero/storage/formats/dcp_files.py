@@ -102,7 +102,10 @@ class _Output:
 
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream
-        self._gathered = bytearray()
+        # one buffer, written from and filled again: a new one at each write would be memory new to the process,
+        # a page fault each 4 KiB (a stream copies what it keeps, as io's write() lets the caller reuse it)
+        self._gathered = bytearray(_GATHERED + _GATHERED_PIECE)
+        self._filled = 0
         self._small: list[torch.Tensor] = []
         self._small_layouts: list[tuple[Any, ...]] = []
         self._small_bytes = 0
@@ -122,10 +125,14 @@ class _Output:
 
     def _gather(self, data: Any) -> None:
         """Copy ``data`` among the pieces written together."""
-        view = memoryview(data)
-        self._gathered += view
-        self.size += view.nbytes
-        if len(self._gathered) >= _GATHERED:
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        if self._filled + size > len(self._gathered):  # then room enough: a piece is at most 64 KiB and a header
+            self._write_gathered()
+        self._gathered[self._filled : self._filled + size] = view
+        self._filled += size
+        self.size += size
+        if self._filled >= _GATHERED:
             self._write_gathered()
 
     def finish(self) -> None:
@@ -167,9 +174,9 @@ class _Output:
         self._small, self._small_layouts, self._small_bytes = [], [], 0
 
     def _write_gathered(self) -> None:
-        if self._gathered:
-            self._stream.write(self._gathered)
-            self._gathered = bytearray()  # a new one: what was written may still be held by the stream
+        if self._filled:
+            self._stream.write(memoryview(self._gathered)[: self._filled])
+            self._filled = 0
 
     def _entry(self, record: EntryRecord) -> None:
         self.crc = zlib_ng.crc32_combine(self.crc, record.crc, record.length)

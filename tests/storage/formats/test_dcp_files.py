@@ -90,3 +90,31 @@ def test_a_file_s_entries_lie_in_the_order_written_whatever_is_held():
             data = written[record.data_offset : record.data_offset + entry.nbytes]
             assert data == entry.numpy().tobytes() and zlib.crc32(data) == record.data_crc
         offset += record.length
+
+
+def test_a_file_of_many_batches_holds_each_entry_as_written():
+    """Several MiB of small tensors (batches made one after another in the same memory, gathered in one buffer written
+    again and again), values, and archives past the gathered pieces' size: each entry reads back as given."""
+    generator = torch.Generator().manual_seed(4)
+    entries = []
+    for n in range(700):
+        if n % 97 == 0:
+            entries.append(f"value {n}".encode() * (n % 7 + 1))
+        elif n % 211 == 0:
+            entries.append(torch.randn(40_000, generator=generator))  # written straight from its memory
+        else:
+            size = int(torch.randint(1, 4096, (), generator=generator))
+            entries.append(torch.randn(size, generator=generator).to(torch.float64 if n % 3 else torch.float32))
+    stream = io.BytesIO()
+    output = _Output(stream)
+    for entry in entries:
+        output.value(memoryview(entry)) if isinstance(entry, bytes) else output.tensor(entry)
+    output.finish()
+    written = stream.getvalue()
+    assert (output.size, output.crc) == (len(written), zlib.crc32(written)) and len(written) > 8 << 20
+    for entry, record in zip(entries, output.records, strict=True):
+        content = written[record.offset : record.offset + record.length]
+        if isinstance(entry, bytes):
+            assert content == entry
+        else:
+            assert torch.equal(torch.load(io.BytesIO(content), weights_only=True), entry)
