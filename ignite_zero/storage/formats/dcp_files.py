@@ -29,6 +29,7 @@ import io
 import os
 import pickle
 import struct
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any, NamedTuple
@@ -84,6 +85,22 @@ _GATHERED_PIECE, _GATHERED = 64 << 10, 1 << 20
 _SMALL_TENSORS = 1024
 
 
+class _KeptBuffer(threading.local):
+    """The buffer in which a thread's last file gathered its small pieces, for its next: memory new to the process
+    costs a page fault each 4 KiB when first written (where the allocator maps large blocks afresh), about as much as a
+    save of a thousand small tensors spends on its rounds among ranks."""
+
+    def __init__(self) -> None:
+        self.buffer: bytearray | None = None
+
+    def take(self) -> bytearray:
+        buffer, self.buffer = self.buffer, None
+        return bytearray(_GATHERED + _GATHERED_PIECE) if buffer is None else buffer
+
+
+_kept_buffer = _KeptBuffer()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Prefix:
     """The names of a rank's files: ``__<rank>_``."""
@@ -102,9 +119,9 @@ class _Output:
 
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream
-        # one buffer, written from and filled again: a new one at each write would be memory new to the process,
-        # a page fault each 4 KiB (a stream copies what it keeps, as io's write() lets the caller reuse it)
-        self._gathered = bytearray(_GATHERED + _GATHERED_PIECE)
+        # one buffer, written from and filled again, the thread's last file's: a new one at each write would be memory
+        # new to the process (a stream copies what it keeps, as io's write() lets the caller reuse it)
+        self._gathered = _kept_buffer.take()
         self._filled = 0
         self._small: list[torch.Tensor] = []
         self._small_layouts: list[tuple[Any, ...]] = []
@@ -136,9 +153,10 @@ class _Output:
             self._write_gathered()
 
     def finish(self) -> None:
-        """Write all that is still held."""
+        """Write all that is still held, and leave the buffer to the thread's next file."""
         self._write_small()
         self._write_gathered()
+        _kept_buffer.buffer = self._gathered
 
     def value(self, data: bytes | memoryview) -> None:
         self._write_small()

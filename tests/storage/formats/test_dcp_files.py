@@ -94,7 +94,8 @@ def test_a_file_s_entries_lie_in_the_order_written_whatever_is_held():
 
 def test_a_file_of_many_batches_holds_each_entry_as_written():
     """Several MiB of small tensors (batches made one after another in the same memory, gathered in one buffer written
-    again and again), values, and archives past the gathered pieces' size: each entry reads back as given."""
+    again and again, then kept for the next file), values, and archives past the gathered pieces' size: each entry
+    reads back as given, in each file."""
     generator = torch.Generator().manual_seed(4)
     entries = []
     for n in range(700):
@@ -105,12 +106,16 @@ def test_a_file_of_many_batches_holds_each_entry_as_written():
         else:
             size = int(torch.randint(1, 4096, (), generator=generator))
             entries.append(torch.randn(size, generator=generator).to(torch.float64 if n % 3 else torch.float32))
-    stream = io.BytesIO()
-    output = _Output(stream)
-    for entry in entries:
-        output.value(memoryview(entry)) if isinstance(entry, bytes) else output.tensor(entry)
-    output.finish()
-    written = stream.getvalue()
+    files = []
+    for _ in range(2):  # the second file in the buffer and memory that the first left
+        stream = io.BytesIO()
+        output = _Output(stream)
+        for entry in entries:
+            output.value(memoryview(entry)) if isinstance(entry, bytes) else output.tensor(entry)
+        output.finish()
+        files.append(stream.getvalue())
+    written = files[0]
+    assert files[1] == written
     assert (output.size, output.crc) == (len(written), zlib.crc32(written)) and len(written) > 8 << 20
     for entry, record in zip(entries, output.records, strict=True):
         content = written[record.offset : record.offset + record.length]
