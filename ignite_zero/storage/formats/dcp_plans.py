@@ -25,6 +25,8 @@ alone reads them and scatters each rank its own.
 from __future__ import annotations
 
 import dataclasses
+import io
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -54,7 +56,21 @@ def as_saved(state: Mapping[str, Any]) -> dict[str, Any]:
 class _LocalTensorSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, but for two steps whose cost shows in every save of many small tensors: how it
     flattens the state (:func:`~ignite_zero.storage.formats.dcp_flat.flatten`), and how it finds a DTensor's data to
-    write: its local tensor, read without the autograd function of ``to_local()``."""
+    write: its local tensor, read without the autograd function of ``to_local()``.
+
+    Args:
+        pickled_before: the plain values the last save pickled, by name, each with its :func:`_plain_key`: a value
+            equal to one of them is not pickled again (an optimizer's hyperparameters, say: ``torch.save`` of each
+            costs tens of microseconds).
+
+    Attributes:
+        pickled: this save's plain values and their bytes, as :meth:`resolve_items` pickled them or took them.
+    """
+
+    def __init__(self, pickled_before: Mapping[str, tuple[Any, bytes]] | None = None) -> None:
+        super().__init__()
+        self.pickled_before = {} if pickled_before is None else pickled_before
+        self.pickled: dict[str, tuple[Any, bytes]] = {}
 
     def set_up_planner(
         self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
@@ -79,11 +95,48 @@ class _LocalTensorSavePlanner(DefaultSavePlanner):
         """:meth:`resolve_data` of each of ``items``, in order, in one pass over them: what DCP's three calls an item
         cost shows in a save of many small tensors."""
         state = self.state_dict
-        resolved = []
+        resolved: list[Any] = []
         for item in items:
-            local = None if item.type is WriteItemType.BYTE_IO else _local_data(state.get(item.index.fqn))
+            if item.type is WriteItemType.BYTE_IO:
+                resolved.append(self._pickled_value(item))
+                continue
+            local = _local_data(state.get(item.index.fqn))
             resolved.append(self.resolve_data(item) if local is None else local)
         return resolved
+
+    def _pickled_value(self, item: WriteItem) -> Any:
+        """The value ``item`` writes, pickled as DCP pickles it (``torch.save``, in an ``io.BytesIO``), or the bytes of
+        an equal plain value that the last save pickled under its name."""
+        name = item.index.fqn
+        key = _plain_key(self.state_dict.get(name))
+        if key is None:
+            return self.resolve_data(item)
+        kept = self.pickled_before.get(name)
+        if kept is None or kept[0] != key:
+            pickled = self.resolve_data(item)
+            assert isinstance(pickled, io.BytesIO)
+            kept = (key, pickled.getvalue())
+        self.pickled[name] = kept
+        return io.BytesIO(kept[1])
+
+
+_DOUBLE = struct.Struct("<d")
+
+
+def _plain_key(value: Any) -> Any:
+    """What tells a plain value (``None``, a bool, number, string or bytes, or a tuple or list of such values) from
+    every other, and from any value that pickles otherwise: types included (``1``, ``1.0`` and ``True`` are equal in
+    Python), a float's every bit (``-0.0`` and ``0.0``), a list copied into it (changed in place, it is another);
+    ``None`` for anything else, which is pickled at every save."""
+    kind = type(value)
+    if kind is float:
+        return kind, _DOUBLE.pack(value)
+    if value is None or kind in (bool, int, str, bytes):
+        return kind, value
+    if kind in (tuple, list):
+        items = tuple(map(_plain_key, value))
+        return None if any(item is None for item in items) else (kind, items)
+    return None
 
 
 #: What writing an entry costs beyond its bytes, counted as bytes (its record and checksums, about 10-20 us at a few
@@ -256,6 +309,7 @@ class SavePlanning:
         self._planner: _LocalTensorSavePlanner | None = None
         self._local_plan: SavePlan | None = None
         self._planned: tuple[list[Any], SavePlan] | None = None  # the layout of the last local plan made, and that plan
+        self._pickled: dict[str, tuple[Any, bytes]] = {}  # the plain values the last save pickled (see the planner)
         #: about how many bytes this rank's files of the save being planned take (see :meth:`offer`)
         self.part_bytes = 0
         self._members: tuple[int, ...] = ()
@@ -296,7 +350,7 @@ class SavePlanning:
             The offer to share with the other members.
         """
         self._members, self._position = tuple(members), list(members).index(rank)
-        planner = _LocalTensorSavePlanner()
+        planner = _LocalTensorSavePlanner(self._pickled)
         planner.set_up_planner(dict(state), storage_meta=writer.storage_meta(), is_coordinator=self.is_coordinator)
         writer.set_up_storage_writer(self.is_coordinator, rank=self._position, use_collectives=True)
         self._planner = planner
@@ -405,5 +459,8 @@ class SavePlanning:
         self._written = (list(parts), writer.metadata_file)
 
     def release(self) -> None:
-        """Drop what this save holds of the state (the planner refers to its tensors); plans stay kept."""
+        """Drop what this save holds of the state (the planner refers to its tensors); plans stay kept, and the plain
+        values it pickled."""
+        if self._planner is not None and self._planner.pickled:
+            self._pickled = self._planner.pickled
         self._planner = None

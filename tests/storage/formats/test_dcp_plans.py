@@ -247,3 +247,36 @@ def test_the_state_is_flattened_as_dcp_flattens_it(state):
     assert [type(value) for value in ours_resolved] == [type(value) for value in resolved]
     for mine, their in zip(ours_resolved, resolved, strict=True):
         assert mine is their if isinstance(their, torch.Tensor) else mine.getvalue() == their.getvalue()
+
+
+def test_plain_values_are_pickled_again_only_where_they_changed(tmp_path, monkeypatch):
+    """A value equal to the one saved under its name before (type and every bit of a float alike) is not pickled
+    again; one that changed is, a list changed in place too. Every save reads back as it was."""
+    import struct
+
+    import torch.distributed.checkpoint as dcp
+
+    from ignite_zero import ShardedSaver
+
+    pickled = []
+    save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, *args, **kwargs: pickled.append(obj) or save(obj, *args, **kwargs))
+    names = ["a", "b"]
+    steps = [  # the values, and those pickled
+        ({"lr": 0.1, "zero": 0.0, "flag": 1, "names": names}, ["lr", "zero", "flag", "names"]),
+        ({"lr": 0.1, "zero": 0.0, "flag": 1, "names": names}, []),
+        ({"lr": 0.05, "zero": -0.0, "flag": 1.0, "names": names}, ["lr", "zero", "flag", "names"]),  # names: in place
+        ({"lr": 0.05, "zero": -0.0, "flag": True, "names": names}, ["flag"]),  # True == 1.0, pickled otherwise
+    ]
+    saver = ShardedSaver(tmp_path)
+    for step, (values, changed) in enumerate(steps):
+        if step == 2:
+            names.append("c")
+        pickled.clear()
+        saver.save_state({"w": torch.full((3,), float(step)), **values}, f"save{step}")
+        assert sorted(map(repr, pickled)) == sorted(repr(values[name]) for name in changed), step
+        read = {"w": torch.zeros(3), **{name: None for name in values}}
+        dcp.load(read, checkpoint_id=tmp_path / f"save{step}")
+        for name, value in values.items():
+            assert type(read[name]) is type(value) and read[name] == value, (step, name)
+        assert struct.pack("<d", read["zero"]) == struct.pack("<d", values["zero"])
