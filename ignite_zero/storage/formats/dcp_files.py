@@ -29,7 +29,6 @@ import io
 import os
 import pickle
 import struct
-import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any, NamedTuple
@@ -73,6 +72,7 @@ from ignite_zero.storage.formats.dcp_entries import (
     read_whole,
     record_table,
 )
+from ignite_zero.storage.formats.scratch import thread_buffer
 from ignite_zero.storage.places import Place, place_of
 
 __all__ = ["FileWritten", "PlaceStorageReader", "PlaceStorageWriter", "PlacedFile", "tensor_nbytes", "write_entries"]
@@ -83,22 +83,6 @@ _SUFFIX = ".distcp"
 _GATHERED_PIECE, _GATHERED = 64 << 10, 1 << 20
 # Small tensors are held until their bytes reach _GATHERED or they are this many, then their archives made together.
 _SMALL_TENSORS = 1024
-
-
-class _KeptBuffer(threading.local):
-    """The buffer in which a thread's last file gathered its small pieces, for its next: memory new to the process
-    costs a page fault each 4 KiB when first written (where the allocator maps large blocks afresh), about as much as a
-    save of a thousand small tensors spends on its rounds among ranks."""
-
-    def __init__(self) -> None:
-        self.buffer: bytearray | None = None
-
-    def take(self) -> bytearray:
-        buffer, self.buffer = self.buffer, None
-        return bytearray(_GATHERED + _GATHERED_PIECE) if buffer is None else buffer
-
-
-_kept_buffer = _KeptBuffer()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +103,9 @@ class _Output:
 
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream
-        # one buffer, written from and filled again, the thread's last file's: a new one at each write would be memory
-        # new to the process (a stream copies what it keeps, as io's write() lets the caller reuse it)
-        self._gathered = _kept_buffer.take()
+        # one buffer, written from and filled again, the thread's last file's (a stream copies what it keeps, as io's
+        # write() lets the caller reuse it)
+        self._gathered = thread_buffer("gathered pieces", _GATHERED + _GATHERED_PIECE)
         self._filled = 0
         self._small: list[torch.Tensor] = []
         self._small_layouts: list[tuple[Any, ...]] = []
@@ -153,10 +137,9 @@ class _Output:
             self._write_gathered()
 
     def finish(self) -> None:
-        """Write all that is still held, and leave the buffer to the thread's next file."""
+        """Write all that is still held."""
         self._write_small()
         self._write_gathered()
-        _kept_buffer.buffer = self._gathered
 
     def value(self, data: bytes | memoryview) -> None:
         self._write_small()
@@ -193,7 +176,7 @@ class _Output:
 
     def _write_gathered(self) -> None:
         if self._filled:
-            self._stream.write(memoryview(self._gathered)[: self._filled])
+            self._stream.write(self._gathered[: self._filled])
             self._filled = 0
 
     def _entry(self, record: EntryRecord) -> None:

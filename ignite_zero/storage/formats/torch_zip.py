@@ -33,7 +33,6 @@ import io
 import pickle
 import struct
 import sys
-import threading
 import types
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ import torch
 from zlib_ng import zlib_ng
 
 from ignite_zero import _compat
+from ignite_zero.storage.formats.scratch import thread_buffer
 
 __all__ = [
     "PICKLE_PROTOCOL",
@@ -82,8 +82,6 @@ _SLICE = 256 << 10
 # Records up to this size (the pickle, the small records) are gathered with the headers; larger ones are written
 # straight from their memory.
 _SMALL = 64 << 10
-# The most memory of each kind a thread keeps for the next call of write_small_tensors (see _Scratch).
-_SCRATCH_KEPT = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -589,37 +587,6 @@ class SmallArchive(NamedTuple):
     data_crc: int
 
 
-class _Scratch(threading.local):
-    """The memory in which a thread's :func:`write_small_tensors` makes archives, kept for its next call: a save of
-    many small tensors makes their archives a batch at a time, and memory new to the process costs a page fault each
-    4 KiB when first written, more than the copy into it (a fifth of a save's time, where the allocator maps each
-    large block afresh). Up to :data:`_SCRATCH_KEPT` bytes of each kind; more is made for the call and let go."""
-
-    def __init__(self) -> None:
-        self._rows = numpy.empty(0, dtype=numpy.uint8)
-        self._stacked = torch.empty(0, dtype=torch.uint8)
-
-    def rows(self, nbytes: int) -> numpy.ndarray:
-        """``nbytes`` bytes for archives."""
-        if nbytes > _SCRATCH_KEPT:
-            return numpy.empty(nbytes, dtype=numpy.uint8)
-        if self._rows.size < nbytes:
-            self._rows = numpy.empty(max(nbytes, min(2 * self._rows.size, _SCRATCH_KEPT)), dtype=numpy.uint8)
-        return self._rows[:nbytes]
-
-    def stacked(self, like: torch.Tensor, count: int) -> torch.Tensor:
-        """Room for ``count`` tensors laid out as ``like``, one after another, as ``torch.stack`` makes them."""
-        nbytes = like.nbytes * count
-        if nbytes > _SCRATCH_KEPT:
-            return torch.empty((count, *like.shape), dtype=like.dtype)
-        if self._stacked.numel() < nbytes:
-            self._stacked = torch.empty(max(nbytes, min(2 * self._stacked.numel(), _SCRATCH_KEPT)), dtype=torch.uint8)
-        return self._stacked[:nbytes].view(like.dtype).view(count, *like.shape)
-
-
-_scratch = _Scratch()
-
-
 def write_small_tensors(
     write: Callable[[Any], object],
     tensors: Sequence[torch.Tensor],
@@ -630,9 +597,8 @@ def write_small_tensors(
     """Write the archive of each of ``tensors``, one after another in their order, as :func:`write_archive` writes
     each: the archives of those laid out alike made together, which costs a few microseconds a tensor, not tens.
 
-    The archives are made in memory that this thread's next call makes its own in (up to 8 MiB of it is kept: a save
-    makes them in batches, and new memory for each would cost a page fault every 4 KiB): ``write`` copies what it
-    keeps.
+    The archives are made in memory that this thread's next call makes its own in (see
+    :func:`~ignite_zero.storage.formats.scratch.thread_buffer`): ``write`` copies what it keeps.
 
     Args:
         write: a function that writes all it is given, or copies it.
@@ -651,14 +617,18 @@ def write_small_tensors(
         layout: _lone_tensor_archive(tensors[indices[0]], layout, pickle_protocol, alignment)
         for layout, indices in alike.items()
     }
-    rows = _scratch.rows(sum(templates[layout].size * len(indices) for layout, indices in alike.items()))
+    total = sum(templates[layout].size * len(indices) for layout, indices in alike.items())
+    rows = numpy.frombuffer(thread_buffer("small archives", total), dtype=numpy.uint8)
     made: list[Any] = [None] * len(tensors)
     start = 0
     for layout, indices in alike.items():
         template = templates[layout]
         group = [tensors[index] for index in indices]
+        first = group[0]
+        stacked = _uint8(thread_buffer("small tensors stacked", first.nbytes * len(group)))
         with torch.no_grad():
-            data = tensor_bytes(torch.stack(group, out=_scratch.stacked(group[0], len(group))))
+            out = stacked.view(first.dtype).view(len(group), *first.shape)
+            data = tensor_bytes(torch.stack(group, out=out))
         size = template.size
         archives = template.archives_of(data, len(indices), rows[start : start + size * len(indices)])
         start += size * len(indices)
@@ -670,6 +640,11 @@ def write_small_tensors(
         write(data)
         written.append(archive)
     return written
+
+
+def _uint8(buffer: memoryview) -> torch.Tensor:
+    """``buffer`` (writable, not empty) as a tensor of bytes, sharing its memory."""
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 def _lone_tensor_archive(

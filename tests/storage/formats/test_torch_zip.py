@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from ignite_zero import IntegrityError
 from ignite_zero.storage.formats import directory as sharded
-from ignite_zero.storage.formats import torch_zip
+from ignite_zero.storage.formats import scratch, torch_zip
 from ignite_zero.storage.formats.dcp_entries import EntryRecord, pack_records, unpack_records
 from ignite_zero.storage.formats.dcp_files import PlaceStorageReader, PlaceStorageWriter
 from ignite_zero.storage.formats.dcp_saved import SavedTensors
@@ -181,7 +181,7 @@ def test_small_tensors_written_together_again_and_again_in_the_memory_kept(monke
     """Each call makes its archives in the memory the call before it made its own in, grown where it needs more and
     kept up to a bound (here 64 KiB; past it, memory of the call's own): every call's archives are still the bytes
     each tensor's archive has alone."""
-    monkeypatch.setattr(torch_zip, "_SCRATCH_KEPT", 64 << 10)
+    monkeypatch.setattr(scratch, "KEPT", 64 << 10)
     generator = torch.Generator().manual_seed(3)
     batches = [
         [torch.randn(4, 4, generator=generator) for _ in range(3)],
