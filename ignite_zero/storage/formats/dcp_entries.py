@@ -17,6 +17,7 @@ from zlib_ng import zlib_ng
 
 from ignite_zero.storage.formats import torch_zip
 from ignite_zero.storage.formats.base import IntegrityError
+from ignite_zero.storage.formats.scratch import thread_buffer
 from ignite_zero.storage.formats.trust import load_metadata
 from ignite_zero.storage.places import Place
 
@@ -216,7 +217,7 @@ def read_entries(f: IO[bytes], reads: Sequence[tuple[EntryRecord, memoryview, st
 def _read_span(f: IO[bytes], span: Sequence[tuple[EntryRecord, memoryview, str]]) -> None:
     """Read entries that follow each other in the file with one read, check them, and copy their tensors' bytes."""
     start = span[0][0].offset
-    buffer = memoryview(bytearray(span[-1][0].offset + span[-1][0].length - start))
+    buffer = thread_buffer("entries read", span[-1][0].offset + span[-1][0].length - start)
     f.seek(start)
     crc = read_checked(f, buffer, span[0][2])
     expected = 0
