@@ -16,6 +16,7 @@ that may never come (a save of replicated state called on one rank only).
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -468,19 +469,70 @@ def busy(interval: float) -> Iterator[None]:
     if world_size == 1:
         yield
         return
-    store = _channel().store
-    stop = threading.Event()
-
-    def beat() -> None:
-        while True:
-            store.set(f"{_PREFIX}alive/{rank}", repr(time.time()))
-            if stop.wait(interval):
-                return
-
-    thread = threading.Thread(target=beat, name="ignite_zero-heartbeat", daemon=True)
-    thread.start()
+    token = _heart.enter(_channel().store, rank, interval)
     try:
         yield
     finally:
-        stop.set()
-        thread.join()
+        _heart.leave(token)
+
+
+class _Heart:
+    """The thread that beats for every :func:`busy` block of this process while any runs: at once when one begins,
+    then every interval (the shortest of theirs). One thread for the process, started at its first block, not one a
+    block: starting and joining a thread at every save cost a few hundred microseconds of it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._blocks: dict[int, tuple[dist.Store, int, float]] = {}  # each running block's store, rank and interval
+        self._count = 0
+        self._thread: threading.Thread | None = None
+
+    def enter(self, store: dist.Store, rank: int, interval: float) -> int:
+        """Beat for ``rank`` in ``store`` from now on, every ``interval`` seconds at least; the block's token."""
+        with self._lock:
+            self._count += 1
+            self._blocks[self._count] = (store, rank, interval)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ignite_zero-heartbeat", daemon=True)
+                self._thread.start()
+            self._changed.notify()
+            return self._count
+
+    def leave(self, token: int) -> None:
+        with self._lock:
+            self._blocks.pop(token, None)  # gone if the process was forked in the block: its child has a heart anew
+
+    def _run(self) -> None:
+        with self._lock:
+            while True:
+                while not self._blocks:
+                    self._changed.wait()
+                beats = {(id(store), rank): (store, rank) for store, rank, _ in self._blocks.values()}
+                interval = min(interval for _, _, interval in self._blocks.values())
+                self._lock.release()
+                try:
+                    for store, rank in beats.values():
+                        _beat(store, rank)
+                finally:
+                    self._lock.acquire()
+                self._changed.wait(interval)  # or less: a block that begins is beaten for at once
+
+
+def _beat(store: dist.Store, rank: int) -> None:
+    try:
+        store.set(f"{_PREFIX}alive/{rank}", repr(time.time()))
+    except Exception:  # the store's host gone, say: the thread beats on for the blocks that still run
+        pass
+
+
+_heart = _Heart()
+
+
+def _new_heart() -> None:
+    # a child forked while the thread held the lock would find it held for good, and the thread gone
+    global _heart
+    _heart = _Heart()
+
+
+os.register_at_fork(after_in_child=_new_heart)

@@ -216,3 +216,50 @@ def _rounds_of_every_kind(rank, world_size):
 
 def test_every_round_but_the_last_leaves_nothing_in_the_store():
     assert run_ranks(_rounds_of_every_kind, 2) == [[], []]
+
+
+def _busy_in_two_threads(rank, world_size):
+    """Rank 1 works in two threads at once, each in a busy block, while the others wait for it: they wait as long as
+    either block runs. Then it is alive but in no block: they give up on it within the timeout."""
+    import os
+    import threading
+
+    if rank == 0:
+        started = time.monotonic()
+        assert agree(rank, what="outcome", timeout=0.5) == [0, 1]
+        waited = time.monotonic() - started
+        started = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError):
+            agree(rank, what="late", timeout=0.5)
+        return waited, time.monotonic() - started
+    heartbeats = []
+
+    def work(seconds):
+        with busy(interval=0.1):
+            heartbeats.append(sum(t.name == "ignite_zero-heartbeat" for t in threading.enumerate()))
+            time.sleep(seconds)
+
+    other = threading.Thread(target=work, args=(1.6,))
+    other.start()
+    time.sleep(0.1)
+    work(0.8)
+    other.join()
+    agree(rank, what="outcome", timeout=0.5)
+    with busy(interval=0.1):  # a child forked in a block beats for none of its parent's blocks
+        pid = os.fork()
+        if pid == 0:
+            from ignite_zero.agreement import rounds
+
+            os._exit(0 if not rounds._heart._blocks else 1)
+        _, status = os.waitpid(pid, 0)
+    time.sleep(2.0)
+    with pytest.raises(CollectiveTimeoutError):
+        agree(rank, what="late", timeout=0.5)
+    return heartbeats, os.waitstatus_to_exitcode(status)
+
+
+def test_one_heartbeat_thread_beats_while_any_busy_block_runs_and_stops_after():
+    (waited, gave_up_after), (heartbeats, child) = run_ranks(_busy_in_two_threads, 2)
+    assert 1.5 < waited < 3.0
+    assert gave_up_after < 1.5  # not beaten for once its blocks ended
+    assert heartbeats == [1, 1] and child == 0
