@@ -508,15 +508,23 @@ class _Heart:
             while True:
                 while not self._blocks:
                     self._changed.wait()
-                beats = {(id(store), rank): (store, rank) for store, rank, _ in self._blocks.values()}
-                interval = min(interval for _, _, interval in self._blocks.values())
-                self._lock.release()
-                try:
-                    for store, rank in beats.values():
-                        _beat(store, rank)
-                finally:
-                    self._lock.acquire()
-                self._changed.wait(interval)  # or less: a block that begins is beaten for at once
+                beaten = self._count
+                interval = self._beat_every_block()
+                if self._count == beaten:  # else a block began as it beat, in a store it may not have beaten in
+                    self._changed.wait(interval)  # or less: a block that begins is beaten for at once
+
+    def _beat_every_block(self) -> float:
+        """Beat once for every running block, the lock released meanwhile; the shortest of their intervals. The
+        stores go with the call: a thread that waits holds none (a destroyed group's store would live on)."""
+        beats = {(id(store), rank): (store, rank) for store, rank, _ in self._blocks.values()}
+        interval = min(interval for _, _, interval in self._blocks.values())
+        self._lock.release()
+        try:
+            for store, rank in beats.values():
+                _beat(store, rank)
+        finally:
+            self._lock.acquire()
+        return interval
 
 
 def _beat(store: dist.Store, rank: int) -> None:

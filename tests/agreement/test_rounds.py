@@ -263,3 +263,24 @@ def test_one_heartbeat_thread_beats_while_any_busy_block_runs_and_stops_after():
     assert 1.5 < waited < 3.0
     assert gave_up_after < 1.5  # not beaten for once its blocks ended
     assert heartbeats == [1, 1] and child == 0
+
+
+def _group_made_again_after_a_busy_block(rank, world_size, port):
+    """A busy block, then the process group destroyed and made again on the same port: the heartbeat thread, which
+    outlives the block, holds no store (rank 0's would keep the port)."""
+    for _ in range(2):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        with busy(interval=0.05):
+            time.sleep(0.2)
+        dist.barrier()
+        dist.destroy_process_group()
+        time.sleep(0.5)  # the heartbeat thread's wait, past its last beat
+
+
+def test_a_process_group_can_be_made_again_after_a_busy_block():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run_ranks(_group_made_again_after_a_busy_block, 2, port, init=False, timeout=30)
