@@ -125,17 +125,25 @@ _DOUBLE = struct.Struct("<d")
 
 def _plain_key(value: Any) -> Any:
     """What tells a plain value (``None``, a bool, number, string or bytes, or a tuple or list of such values) from
-    every other, and from any value that pickles otherwise: types included (``1``, ``1.0`` and ``True`` are equal in
-    Python), a float's every bit (``-0.0`` and ``0.0``), a list copied into it (changed in place, it is another);
-    ``None`` for anything else, which is pickled at every save."""
+    every other, and from any value that loads back otherwise: types included (``1``, ``1.0`` and ``True`` are equal
+    in Python), a float's every bit (``-0.0`` and ``0.0``), a list copied into it (changed in place, it is another);
+    ``None`` for anything else, which is pickled at every save. Not a tuple or list that holds one: which of those are
+    one object (``[a, a]`` or ``[[1], [1]]``) changes what loads back, and the key does not tell. Equal strings in a
+    list, one object or not, load back equal (pickled once or twice)."""
+    kind = type(value)
+    if kind in (tuple, list):
+        items = tuple(map(_scalar_key, value))
+        return None if any(item is None for item in items) else (kind, items)
+    return _scalar_key(value)
+
+
+def _scalar_key(value: Any) -> Any:
+    """:func:`_plain_key` of ``None``, a bool, number, string or bytes (exactly those types); ``None`` otherwise."""
     kind = type(value)
     if kind is float:
         return kind, _DOUBLE.pack(value)
     if value is None or kind in (bool, int, str, bytes):
         return kind, value
-    if kind in (tuple, list):
-        items = tuple(map(_plain_key, value))
-        return None if any(item is None for item in items) else (kind, items)
     return None
 
 

@@ -251,7 +251,8 @@ def test_the_state_is_flattened_as_dcp_flattens_it(state):
 
 def test_plain_values_are_pickled_again_only_where_they_changed(tmp_path, monkeypatch):
     """A value equal to the one saved under its name before (type and every bit of a float alike) is not pickled
-    again; one that changed is, a list changed in place too. Every save reads back as it was."""
+    again; one that changed is, a list changed in place too, and a list of lists always (which of them are one
+    object, the key cannot tell). Every save reads back as it was."""
     import struct
 
     import torch.distributed.checkpoint as dcp
@@ -261,12 +262,18 @@ def test_plain_values_are_pickled_again_only_where_they_changed(tmp_path, monkey
     pickled = []
     save = torch.save
     monkeypatch.setattr(torch, "save", lambda obj, *args, **kwargs: pickled.append(obj) or save(obj, *args, **kwargs))
-    names = ["a", "b"]
-    steps = [  # the values, and those pickled
-        ({"lr": 0.1, "zero": 0.0, "flag": 1, "names": names}, ["lr", "zero", "flag", "names"]),
-        ({"lr": 0.1, "zero": 0.0, "flag": 1, "names": names}, []),
-        ({"lr": 0.05, "zero": -0.0, "flag": 1.0, "names": names}, ["lr", "zero", "flag", "names"]),  # names: in place
-        ({"lr": 0.05, "zero": -0.0, "flag": True, "names": names}, ["flag"]),  # True == 1.0, pickled otherwise
+    names, one = ["a", "b"], [1]
+    steps = [  # the values, and those pickled; lists of lists at every save: [one, one] loads back as one list twice
+        (
+            {"lr": 0.1, "zero": 0.0, "flag": 1, "names": names, "pairs": [[1], [1]]},
+            ["lr", "zero", "flag", "names", "pairs"],
+        ),
+        ({"lr": 0.1, "zero": 0.0, "flag": 1, "names": names, "pairs": [one, one]}, ["pairs"]),
+        (
+            {"lr": 0.05, "zero": -0.0, "flag": 1.0, "names": names, "pairs": [one, one]},
+            ["lr", "zero", "flag", "names", "pairs"],
+        ),
+        ({"lr": 0.05, "zero": -0.0, "flag": True, "names": names, "pairs": [[1], [1]]}, ["flag", "pairs"]),
     ]
     saver = ShardedSaver(tmp_path)
     for step, (values, changed) in enumerate(steps):
@@ -280,3 +287,4 @@ def test_plain_values_are_pickled_again_only_where_they_changed(tmp_path, monkey
         for name, value in values.items():
             assert type(read[name]) is type(value) and read[name] == value, (step, name)
         assert struct.pack("<d", read["zero"]) == struct.pack("<d", values["zero"])
+        assert (read["pairs"][0] is read["pairs"][1]) == (values["pairs"][0] is values["pairs"][1])
