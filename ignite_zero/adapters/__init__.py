@@ -69,7 +69,7 @@ def adapt(objects: Any, recipient_rank: int) -> Any:
     modules = [obj for _, obj in tree.leaves(unwrapped) if isinstance(obj, nn.Module)]
     # each module's kind found once (each test walks every submodule of a model that is not of that kind)
     fairscale = [module for module in modules if is_fairscale_fsdp_module(module)]
-    models = fairscale + [module for module in modules if module not in fairscale and is_fsdp_module(module)]
+    models = [module for module in modules if any(module is m for m in fairscale) or is_fsdp_module(module)]
     return tree.map_tree(
         lambda path, obj: _adapt(tree.describe(path), obj, models, fairscale, recipient_rank), unwrapped
     )
