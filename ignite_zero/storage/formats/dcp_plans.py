@@ -61,7 +61,7 @@ class _LocalTensorSavePlanner(DefaultSavePlanner):
     Args:
         pickled_before: the plain values the last save pickled, by name, each with its :func:`_plain_key`: a value
             equal to one of them is not pickled again (an optimizer's hyperparameters, say: ``torch.save`` of each
-            costs tens of microseconds).
+            costs more than writing a small tensor's archive).
 
     Attributes:
         pickled: this save's plain values and their bytes, as :meth:`resolve_items` pickled them or took them.

@@ -3,9 +3,9 @@ and neighbouring entries read.
 
 Memory new to the process costs a page fault for each 4 KiB when it is first written, as much as copying it a few
 times over, and an allocator maps large blocks afresh for each request (glibc past its mmap threshold): a save or a
-load of many small tensors that took new memory for each batch spent a fifth of its time in the kernel. A thread's
-buffer for a use serves each of its calls in turn, so a caller copies out what it keeps before the next call for the
-same use, and never holds two at once; buffers of several threads never meet.
+load of many small tensors that took new memory for each batch spent much of its time in the kernel (the benchmarks
+page has figures). A thread's buffer for a use serves each of its calls in turn, so a caller copies out what it keeps
+before the next call for the same use, and never holds two at once; buffers of several threads never meet.
 """
 
 from __future__ import annotations
