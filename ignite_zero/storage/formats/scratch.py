@@ -33,15 +33,6 @@ def thread_buffer(use: str, nbytes: int) -> memoryview:
     Args:
         use: what the memory is for, e.g. ``"small archives"``: each use has its own.
         nbytes: how many bytes the caller needs.
-
-    Examples:
-        .. code-block:: python
-
-            from ignite_zero.storage.formats.scratch import thread_buffer
-
-            span = thread_buffer("entries read", 1 << 20)
-            f.readinto(span)
-            target[:] = span[:4096]  # copied out before the next call for "entries read"
     """
     if nbytes > KEPT:
         return memoryview(bytearray(nbytes))
