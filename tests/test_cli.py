@@ -187,11 +187,11 @@ def test_sharded_directories_inspected_verified_and_consolidated(tmp_path):
     result = _cli("inspect", directory)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert "sharded, 4 files" in lines[0] and f"with torch {torch.__version__} on 2 rank(s)" in lines[0]
+    assert "sharded, 5 files" in lines[0] and f"with torch {torch.__version__} on 2 rank(s)" in lines[0]
     assert "  0.weight: float32 5x7 140 B, 1 shard(s)" in lines
     assert "  state.0.exp_avg: float32 5x7 140 B, 1 shard(s)" in lines
     listing = json.loads(_cli("inspect", "--json", directory).stdout)
-    assert (listing["format"], listing["files"], listing["written_by"]["world_size"]) == ("sharded", 4, 2)
+    assert (listing["format"], listing["files"], listing["written_by"]["world_size"]) == ("sharded", 5, 2)
     objects = {obj["name"]: obj for obj in listing["objects"]}
     assert objects["model"]["type"] is None and objects["model"]["tensors"] == 6
     tensor = {"key": "0.weight", "kind": "tensor", "dtype": "float32", "shape": [5, 7], "bytes": 140, "shards": 1}

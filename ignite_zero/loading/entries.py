@@ -16,7 +16,7 @@ from ignite_zero.adapters import ShardedState, deferred
 from ignite_zero.adapters.zero import as_saved_optimizer_state
 from ignite_zero.storage.formats import Reader
 from ignite_zero.storage.formats.dcp_saved import InPlaceReads, SavedTensor, SavedTensors
-from ignite_zero.storage.formats.directory import DirectoryReader, load, name_of, nest, path_of, read_metadata, template
+from ignite_zero.storage.formats.directory import DirectoryReader, load, name_of, nest, template
 from ignite_zero.storage.formats.file import FileReader
 from ignite_zero.storage.formats.file_trailer import is_legacy_format
 
@@ -111,13 +111,12 @@ class _DirectoryEntries:
 
     def __init__(self, reader: DirectoryReader, trusted: bool) -> None:
         self._reader = reader
-        self._records = reader.records()
         self._trusted = reader.trusted or trusted
-        self._metadata = read_metadata(reader.place, self._records, self._trusted)
+        self._records, self._index = reader.contents(self._trusted)
         self._saved: SavedTensors | None = None
         if self._records is not None:
-            self._saved = reader.saved_tensors(self._records, self._metadata)
-        self._paths = {path_of(self._metadata, name) for name in self._metadata.state_dict_metadata}
+            self._saved = reader.saved_tensors(self._records, self._index)
+        self._paths = set(self._index.paths.values())
         self._templates: dict[tuple[Any, ...], Any] = {}
         self._later: dict[tuple[Any, ...], InPlaceReads] = {}  # shards read into the objects' own tensors later
         self._flat: dict[str, Any] = {}
@@ -148,7 +147,7 @@ class _DirectoryEntries:
         def keep(p: tree.Path) -> bool:
             return p[: len(path)] == path and wants(p[len(path) :])
 
-        self._flat.update(self._deferred(template(self._metadata, keep, unread=self._saved is not None)))
+        self._flat.update(self._deferred(template(self._index, keep, unread=self._saved is not None)))
 
     def _deferred(self, flat: dict[str, Any]) -> dict[str, Any]:
         """``flat`` with each of its meta tensors read from the directory when its object takes it."""
@@ -168,7 +167,7 @@ class _DirectoryEntries:
         else:
             reads.read_values(not self._trusted)
             reads.read_tensors()
-        nested = nest(self._metadata, {name: now.get(name, value) for name, value in self._flat.items()})
+        nested = nest(self._index, {name: now.get(name, value) for name, value in self._flat.items()})
 
         def entry(path: tuple[Any, ...], _: Any) -> Any:
             if path in self._templates:

@@ -11,7 +11,7 @@ from typing import Any
 from ignite_zero.adapters.zero import as_saved_optimizer_state
 from ignite_zero.storage.formats import Reader
 from ignite_zero.storage.formats.consolidation import StreamedTensors, unread_state
-from ignite_zero.storage.formats.directory import entry_records, read_manifest, verify
+from ignite_zero.storage.formats.directory import read_contents, read_manifest, verify
 from ignite_zero.storage.places import Place
 
 __all__ = ["as_one_file", "streamed_state"]
@@ -35,10 +35,9 @@ def streamed_state(
         UnsafeCheckpointError: a pickle of it holds anything but data, unless ``trusted``.
         IntegrityError: the directory is incomplete, or its manifest or ``.metadata`` is corrupt.
     """
-    records = entry_records(read_manifest(place))
-    if records is None:
+    if read_manifest(place) is None:
         verify(place)  # its warning of a directory without manifest names the caller, as the command line shows it
-    state, tensors = unread_state(place, records, progress, trusted)
+    state, tensors = unread_state(place, read_contents(place, trusted), progress, trusted)
     return _keyed_by_index(state), tensors
 
 

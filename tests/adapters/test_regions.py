@@ -33,7 +33,6 @@ from fsdp_states import assert_states, full_optimizer_state, gather_fsdp_state, 
 from ignite.engine import Engine
 from launcher import run_ranks
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -204,10 +203,11 @@ def _save_layout(rank: int, layout: str, directory: Path, recipient: int) -> Non
 
 def _assert_written_once(directory: Path) -> None:
     """The blocks of every tensor in a sharded checkpoint add up to the tensor: replicas wrote nothing twice."""
-    for name, entry in sharded.read_metadata(directory).state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            written = sum(math.prod(chunk.sizes) for chunk in entry.chunks)
-            assert written == math.prod(entry.size), f"{name}: {written} elements written of {math.prod(entry.size)}"
+    index = sharded.read_contents(directory).entry_index
+    for name in index.names:
+        if (layout := index.layout(name)) is not None:
+            written = sum(math.prod(chunk.sizes) for chunk in layout.chunks)
+            assert written == math.prod(layout.size), f"{name}: {written} elements written of {math.prod(layout.size)}"
 
 
 def _resume_across(rank: int, target: str, directory: Path, source: str) -> None:

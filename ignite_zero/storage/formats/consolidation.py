@@ -22,16 +22,9 @@ from typing import Any, NamedTuple
 
 import numpy
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
 
-from ignite_zero.storage.formats.dcp_entries import EntryRecord
 from ignite_zero.storage.formats.dcp_saved import ChunkReading, SavedTensors
-from ignite_zero.storage.formats.directory import load, name_of, nest, read_metadata, template
+from ignite_zero.storage.formats.directory import Contents, load_whole, nest
 from ignite_zero.storage.formats.torch_zip import tensor_bytes
 from ignite_zero.storage.places import Place
 
@@ -43,7 +36,7 @@ WINDOW_BYTES = 64 << 20
 
 def unread_state(
     place: Place,
-    records: dict[str, list[EntryRecord]] | None,
+    contents: Contents,
     progress: Callable[[int, int], None] | None = None,
     trusted: bool = False,
 ) -> tuple[dict[str, Any], StreamedTensors]:
@@ -54,29 +47,22 @@ def unread_state(
 
     Args:
         place: the checkpoint directory.
-        records: its entries' records, from the manifest (:func:`~.directory.entry_records`); ``None`` where it has
-            none (another tool's directory).
+        contents: what it holds (:func:`~.directory.read_contents`).
         progress: called with the bytes read so far and the total, after each window.
         trusted: unpickle whatever its pickles hold.
 
     Raises:
         UnsafeCheckpointError: a pickle of it holds anything but data, unless ``trusted``.
-        IntegrityError: its ``.metadata`` is corrupt.
     """
-    metadata = read_metadata(place, records, trusted)
-    values = template(metadata, lambda path: isinstance(_storage(metadata, path), BytesStorageMetadata))
-    load(values, place, records, trusted)  # the small values, read and checked now
+    index = contents.entry_index
+    layouts = {name: index.layout(name) for name in index.names}
+    values: dict[str, Any] = {name: None for name, layout in layouts.items() if layout is None}
+    load_whole(values, place, contents, trusted)  # the small values, read and checked now
     tensors = {
-        name: torch.empty(storage.size, dtype=storage.properties.dtype)
-        for name, storage in metadata.state_dict_metadata.items()
-        if isinstance(storage, TensorStorageMetadata)
+        name: torch.empty(layout.size, dtype=layout.dtype) for name, layout in layouts.items() if layout is not None
     }
-    flat = {name: tensors[name] if name in tensors else values[name] for name in metadata.state_dict_metadata}
-    return nest(metadata, flat), StreamedTensors(place, metadata, records, tensors, progress, trusted)
-
-
-def _storage(metadata: Metadata, path: tuple[Any, ...]) -> Any:
-    return metadata.state_dict_metadata[name_of(path)]
+    flat = {name: tensors[name] if name in tensors else values[name] for name in index.names}
+    return nest(index, flat), StreamedTensors(place, contents, tensors, progress, trusted)
 
 
 class StreamedTensors:
@@ -84,9 +70,9 @@ class StreamedTensors:
 
     Args:
         place: the checkpoint directory.
-        metadata: its DCP metadata.
-        records: its entries' records, from the manifest; ``None`` where it has none (each tensor read whole).
-        tensors: the state's tensors, unread, by their names in ``metadata``.
+        contents: what it holds (:func:`~.directory.read_contents`); without the manifest's records (another tool's
+            directory), each tensor is read whole.
+        tensors: the state's tensors, unread, by their names in its index.
         progress: called with the bytes read so far and the total, after each window.
         trusted: a directory without records is read by DCP, whose ``.metadata`` is then unpickled whatever it holds.
     """
@@ -94,17 +80,16 @@ class StreamedTensors:
     def __init__(
         self,
         place: Place,
-        metadata: Metadata,
-        records: dict[str, list[EntryRecord]] | None,
+        contents: Contents,
         tensors: dict[str, torch.Tensor],
         progress: Callable[[int, int], None] | None = None,
         trusted: bool = False,
     ) -> None:
         self._trusted = trusted
         self._place = place
-        self._metadata = metadata
-        self._records = records
-        self._saved = None if records is None else SavedTensors(place, records, metadata)
+        self._contents = contents
+        records, self._index = contents
+        self._saved = None if records is None else SavedTensors(place, records, self._index)
         by_address = sorted((tensor.untyped_storage().data_ptr(), name) for name, tensor in tensors.items())
         self._starts = [address for address, _ in by_address]
         self._names = [name for _, name in by_address]
@@ -141,7 +126,7 @@ class StreamedTensors:
     def read_all(self) -> None:
         """Read every tensor whole into its own memory (for a writer that reads the memory itself)."""
         for name, tensor in self._tensors.items():
-            _load_whole(self._place, self._records, name, tensor, self._trusted)
+            load_whole({name: tensor}, self._place, self._contents, self._trusted)
 
     def close(self) -> None:
         if self._saved is not None:
@@ -152,7 +137,8 @@ class StreamedTensors:
         tensor = self._tensors[name]
         chunks = self._chunks(name, tensor)
         if chunks is None:  # into memory of its own, freed once the writer is past it
-            whole = _load_whole(self._place, self._records, name, torch.empty_like(tensor), self._trusted)
+            whole = torch.empty_like(tensor)
+            load_whole({name: whole}, self._place, self._contents, self._trusted)
             data = tensor_bytes(whole)
             return _Window(name, 0, data.nbytes, data)
         shape = tuple(tensor.shape) or (1,)
@@ -173,13 +159,13 @@ class StreamedTensors:
         if self._saved is None:
             return None
         if name not in self._readings:
-            storage = self._metadata.state_dict_metadata[name]
-            assert isinstance(storage, TensorStorageMetadata)
+            layout = self._index.layout(name)
+            assert layout is not None, f"{name} is a value"
             chunks = []
-            for chunk in storage.chunks:
+            for chunk in layout.chunks:
                 nbytes = math.prod(chunk.sizes) * tensor.element_size()
-                reading = self._saved.reading(MetadataIndex(name, chunk.offsets), nbytes)
-                chunks.append(_Chunk(tuple(chunk.offsets) or (0,), tuple(chunk.sizes) or (1,), reading))
+                reading = self._saved.reading(name, chunk.place, nbytes)
+                chunks.append(_Chunk(chunk.offsets or (0,), chunk.sizes or (1,), reading))
             self._readings[name] = chunks
         return self._readings[name]
 
@@ -200,14 +186,6 @@ def _read_rows(chunk: _Chunk, rows: torch.Tensor, first: int, last: int) -> None
         part = torch.empty((high - low, *sizes[1:]), dtype=rows.dtype)
         chunk.reading.read_into(tensor_bytes(part))
         region.copy_(part)
-
-
-def _load_whole(
-    place: Place, records: dict[str, list[EntryRecord]] | None, name: str, into: torch.Tensor, trusted: bool
-) -> torch.Tensor:
-    wanted = {name: into}
-    load(wanted, place, records, trusted)
-    return wanted[name]
 
 
 class _Chunk(NamedTuple):

@@ -17,11 +17,13 @@ from zlib_ng import zlib_ng
 
 from ignite_zero.storage.formats import torch_zip
 from ignite_zero.storage.formats.base import IntegrityError
+from ignite_zero.storage.formats.dcp_index import EntryIndex
 from ignite_zero.storage.formats.scratch import thread_buffer
 from ignite_zero.storage.formats.trust import load_metadata
 from ignite_zero.storage.places import Place
 
 __all__ = [
+    "INDEX",
     "METADATA",
     "EntryRecord",
     "RecordedEntries",
@@ -33,6 +35,7 @@ __all__ = [
     "read_checked",
     "read_entries",
     "read_entry",
+    "read_recorded_file",
     "read_saved",
     "read_saved_into",
     "read_whole",
@@ -41,6 +44,8 @@ __all__ = [
 
 #: The file DCP's metadata is written to, last: a directory without it is incomplete.
 METADATA = ".metadata"
+#: The file of the index of the entries (:class:`~.dcp_index.EntryIndex`), written with ``.metadata``.
+INDEX = "ignite_zero_index.json"
 # Reads, like writes, go in slices checksummed while still in the CPU's cache.
 _SLICE = 256 << 10
 # Neighbouring entries up to the first size are read together, in spans up to the second.
@@ -104,10 +109,19 @@ def unpack_records(value: object) -> np.ndarray:
     return np.array(value, dtype=np.int64).reshape(-1, width)
 
 
-def metadata_of(content: bytes, where: str, trusted: bool, load_id: str | None = None) -> Metadata:
-    """DCP's metadata from the bytes of ``.metadata``, read as :func:`~.trust.load_metadata` reads them, with the
-    storage facts DCP's readers add (``load_id``: the reader's, where it has one)."""
+def metadata_of(content: bytes, place: Place, trusted: bool, load_id: str | None = None) -> Metadata:
+    """DCP's metadata of the directory ``place`` from the bytes of its ``.metadata``, read as
+    :func:`~.trust.load_metadata` reads them, with the storage facts DCP's readers add (``load_id``: the reader's,
+    where it has one); its sizes and offsets checked against the files before DCP allocates anything from them.
+
+    Raises:
+        UnsafeCheckpointError: it holds anything but DCP's metadata, unless ``trusted``.
+        IntegrityError: it places an entry outside its file or over another, or gives a tensor more bytes than its
+            entries hold.
+    """
+    where = str(place.location(METADATA))
     metadata = load_metadata(content, where, trusted)
+    EntryIndex.of_metadata(metadata, where).check_bounds(place.file_sizes(), where)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     if load_id is not None:
@@ -141,6 +155,21 @@ class RecordedEntries:
         if record is None:
             raise IntegrityError(f"{where}: the manifest has no record of it (corrupt manifest or .metadata?)")
         return record, where
+
+
+def read_recorded_file(place: Place, name: str, record: EntryRecord | None) -> bytes:
+    """The bytes of the file ``name`` of ``place``, an entry of its own (``.metadata``, the index), checked by the
+    manifest's ``record`` of it.
+
+    Raises:
+        IntegrityError: the manifest has no record of it, or it is truncated or corrupt.
+    """
+    content = place.read(name)
+    where = str(place.location(name))
+    if record is None or len(content) != record.length:
+        raise IntegrityError(f"{where} has {len(content)} bytes, not what its manifest says (truncated?)")
+    check_crc(zlib_ng.crc32(content), record.crc, where)
+    return content
 
 
 def laid_out(target: torch.Tensor, dtype: torch.dtype) -> bool:

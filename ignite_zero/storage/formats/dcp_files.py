@@ -61,17 +61,19 @@ from ignite_zero import _compat, staging
 from ignite_zero.storage.formats import torch_zip
 from ignite_zero.storage.formats.base import IntegrityError
 from ignite_zero.storage.formats.dcp_entries import (
+    INDEX,
     METADATA,
     EntryRecord,
     RecordedEntries,
-    check_crc,
     laid_out,
     metadata_of,
     read_entries,
+    read_recorded_file,
     read_saved,
     read_whole,
     record_table,
 )
+from ignite_zero.storage.formats.dcp_index import EntryIndex
 from ignite_zero.storage.formats.scratch import thread_buffer
 from ignite_zero.storage.places import Place, place_of
 
@@ -335,19 +337,26 @@ class PlaceStorageWriter(StorageWriter):
         return PlacedFile(name, ordered, written)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """On the coordinator: write ``.metadata``, last (its bytes kept in :attr:`metadata_file`)."""
+        """On the coordinator: write ``.metadata`` and the index of the entries, last (their bytes kept in
+        :attr:`metadata_file`)."""
         metadata.version = _compat.DCP_VERSION
         metadata.storage_data = {result.index: result.storage_data for part in results for result in part}
         self.metadata_file = MetadataFile(metadata)
         self.write_metadata(self.metadata_file)
 
     def write_metadata(self, metadata_file: MetadataFile) -> None:
-        """On the coordinator: write ``.metadata`` from ``metadata_file``, with this save's storage facts, last."""
+        """On the coordinator: write ``.metadata`` from ``metadata_file``, with this save's storage facts, and the
+        index of the entries, last; each a file of one entry, recorded as the others."""
         content = metadata_file.content(self.checkpoint_id, self.save_id)  # this save's, as storage_meta() says
-        self.place.write(METADATA, lambda f: f.write(content))
-        crc = zlib_ng.crc32(content)
-        self.written[METADATA] = (len(content), crc)
-        self.record_tables[METADATA] = record_table([EntryRecord(0, len(content), crc, 0, crc)])
+        self._write_whole(INDEX, metadata_file.index)
+        self._write_whole(METADATA, content)
+
+    def _write_whole(self, name: str, data: bytes) -> None:
+        """Write the file ``name`` of ``data``, one entry, recorded as the files of entries are."""
+        self.place.write(name, lambda f: f.write(data))
+        crc = zlib_ng.crc32(data)
+        self.written[name] = (len(data), crc)
+        self.record_tables[name] = record_table([EntryRecord(0, len(data), crc, 0, crc)])
 
     def storage_meta(self) -> StorageMeta:
         return StorageMeta(checkpoint_id=str(self.place.location()), save_id=self.save_id)
@@ -364,7 +373,9 @@ class PlaceStorageWriter(StorageWriter):
 class MetadataFile:
     """The bytes of ``.metadata`` for one plan and the places its entries were written in, pickled once: a later save
     of the same plan whose files hold every entry where this one's did puts its own storage facts (the checkpoint's
-    location and the save's id) into the same bytes, rather than pickle thousands of entries again.
+    location and the save's id) into the same bytes, rather than pickle thousands of entries again. The bytes of the
+    index of the entries (:attr:`index`: :meth:`EntryIndex.to_json <.dcp_index.EntryIndex.to_json>`) are made once
+    too.
 
     Each value that many entries hold alike (tensor properties, sizes, offsets, file names) is pickled once and
     referred to again: fewer objects for every reader to build, DCP's own included.
@@ -375,6 +386,7 @@ class MetadataFile:
 
     def __init__(self, metadata: Metadata) -> None:
         stand_ins = [f"ignite_zero-{what}-{uuid.uuid4().hex}" for what in ("location", "save")]
+        self.index = EntryIndex.of_metadata(metadata, METADATA).to_json()
         shared = _with_shared_values(metadata)
         shared.storage_meta = StorageMeta(checkpoint_id=stand_ins[0], save_id=stand_ins[1])
         content = _without_frames(pickle.dumps(shared, protocol=4))
@@ -503,13 +515,13 @@ class PlaceStorageReader(StorageReader):
         self._storage_data = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        content = self.place.read(METADATA)
-        record = self._entries.recorded(METADATA, 0)
-        where = str(self.place.location(METADATA))
-        if record is None or len(content) != record.length:
-            raise IntegrityError(f"{where} has {len(content)} bytes, not what its manifest says (truncated?)")
-        check_crc(zlib_ng.crc32(content), record.crc, where)
-        return metadata_of(content, where, self._trusted)
+        """``.metadata``, read once: a caller that reads it first (to raise its failures as they are, where DCP would
+        wrap them) hands DCP the same."""
+        if self._metadata is not None:
+            return self._metadata
+        content = read_recorded_file(self.place, METADATA, self._entries.recorded(METADATA, 0))
+        self._metadata = metadata_of(content, self.place, self._trusted)
+        return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._metadata = metadata

@@ -6,17 +6,10 @@ bytes in order for a consolidation.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
 from torch.distributed.tensor import DTensor
 
 from ignite_zero import _compat
@@ -29,12 +22,12 @@ from ignite_zero.storage.formats.dcp_entries import (
     laid_out,
     read_checked,
     read_entries,
-    read_entry,
     read_saved,
     read_saved_into,
     read_whole,
 )
 from ignite_zero.storage.formats.dcp_flat import flat_state
+from ignite_zero.storage.formats.dcp_index import EntryIndex, EntryPlace
 from ignite_zero.storage.formats.trust import load_value
 from ignite_zero.storage.places import Place
 
@@ -53,13 +46,13 @@ class SavedTensors:
     Args:
         place: the checkpoint directory.
         records: every file's entries, by name, from the manifest.
-        metadata: the directory's ``.metadata``.
+        index: the index of its entries.
     """
 
-    def __init__(self, place: Place, records: Mapping[str, Sequence[EntryRecord]], metadata: Metadata) -> None:
+    def __init__(self, place: Place, records: Mapping[str, Sequence[EntryRecord]], index: EntryIndex) -> None:
         self.place = place
         self._entries = RecordedEntries(place, records)
-        self._metadata = metadata
+        self._index = index
         self._files: dict[str, IO[bytes]] = {}
         self._closed = False
 
@@ -70,15 +63,14 @@ class SavedTensors:
         Raises:
             IntegrityError: an entry read is corrupt or truncated, or the manifest does not record it.
         """
-        storage = self._metadata.state_dict_metadata[fqn]
-        assert isinstance(storage, TensorStorageMetadata)
-        dtype = storage.properties.dtype
+        layout = self._index.layout(fqn)
+        assert layout is not None, f"{fqn} is a value"
+        dtype = layout.dtype
         if into is None:
-            into = torch.empty(storage.size, dtype=dtype)
-        for chunk in storage.chunks:
-            info = self._metadata.storage_data[MetadataIndex(fqn, chunk.offsets)]
-            record, where = self._entries.of(info, fqn)
-            f = self._open(info.relative_path)
+            into = torch.empty(layout.size, dtype=dtype)
+        for chunk in layout.chunks:
+            record, where = self._entries.of(chunk.place, fqn)
+            f = self._open(chunk.place.relative_path)
             region = into
             for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
                 region = region.narrow(dim, start, length)
@@ -86,14 +78,27 @@ class SavedTensors:
                 region.copy_(read_saved(f, record, chunk.sizes, dtype, where))
         return into
 
+    def fill(self, flat: dict[str, Any], weights_only: bool = True) -> None:
+        """Fill ``flat``, a flat template (a tensor of its saved shape and dtype for each tensor, anything for each
+        value, as :func:`~.directory.template` makes it), with the entries it names, whole: each tensor read into it,
+        chunk by chunk, each value as ``torch.load(..., weights_only=weights_only)`` reads it.
+
+        Raises:
+            IntegrityError: an entry read is corrupt or truncated, or the manifest does not record it.
+        """
+        for fqn, value in flat.items():
+            if isinstance(value, torch.Tensor):
+                self.read(fqn, value)
+                continue
+            place = self._index.value_place(fqn)
+            assert place is not None, f"{fqn} is a tensor"
+            where = f"{self.place.location()}, entry {fqn}"
+            flat[fqn] = load_value(self.read_value(fqn, place), where, weights_only)
+
     def fits(self, fqn: str, target: torch.Tensor) -> bool:
         """Whether :meth:`read` can read ``fqn`` into ``target``."""
-        storage = self._metadata.state_dict_metadata.get(fqn)
-        return (
-            isinstance(storage, TensorStorageMetadata)
-            and laid_out(target, storage.properties.dtype)
-            and target.shape == storage.size
-        )
+        layout = self._index.layout(fqn) if fqn in self._index.paths else None
+        return layout is not None and laid_out(target, layout.dtype) and target.shape == layout.size
 
     def in_place_reads(self, state: dict[str, Any]) -> InPlaceReads | None:
         """How to fill ``state``, a nested state as DCP loads it (tensors, ``DTensor``\\ s and values), in place and
@@ -104,71 +109,50 @@ class SavedTensors:
         DCP's planning costs a noticeable part of a load of shards: this skips it.
         """
         flat, paths = flat_state(state)
-        values: list[tuple[MetadataIndex, tuple[Any, ...]]] = []
-        tensors: list[tuple[tuple[str, int], MetadataIndex, torch.Tensor]] = []
+        index, entries = self._index, self._entries
+        values: list[tuple[str, EntryPlace, tuple[Any, ...]]] = []
+        tensors: list[tuple[str, EntryPlace, torch.Tensor]] = []
         for fqn, value in flat.items():
-            saved = self._metadata.state_dict_metadata.get(fqn)
             if isinstance(value, DTensor) or type(value) in (torch.Tensor, torch.nn.Parameter):
                 local = _compat.dtensor_local(value) if isinstance(value, DTensor) else value
                 offsets, sizes = _compat.dtensor_block(value) if isinstance(value, DTensor) else _block_of(value)
-                entry = self._entries_by_chunk.get((fqn, offsets))
-                if entry is None or not isinstance(saved, TensorStorageMetadata):
+                chunk = index.chunk(fqn, offsets)
+                if chunk is None:
                     return None
-                if not _holds(saved, offsets, sizes, local):
+                dtype, saved_sizes, place = chunk
+                if saved_sizes != sizes or local.shape != sizes or not laid_out(local, dtype):
                     return None
-                index, info = entry
-                if self._entries.recorded(info.relative_path, info.offset, info.length) is None:
+                if entries.recorded(*place) is None:
                     return None
-                tensors.append(((info.relative_path, info.offset), index, local.detach()))
-            elif isinstance(saved, BytesStorageMetadata) and not isinstance(value, torch.Tensor):
-                if self._recorded(MetadataIndex(fqn)) is None:
+                tensors.append((fqn, place, local.detach()))
+            elif not isinstance(value, torch.Tensor) and (at := index.value_place(fqn)) is not None:
+                if entries.recorded(*at) is None:
                     return None
-                values.append((MetadataIndex(fqn), paths[fqn]))
+                values.append((fqn, at, paths[fqn]))
             else:  # a ShardedTensor (FSDP1's), or what the directory does not hold: DCP reads it, or says so
                 return None
-        values.sort(key=lambda read: self._place_of(read[0]))  # in file order, as DCP's reader reads
-        tensors.sort(key=lambda read: read[0])
-        return InPlaceReads(self, state, values, [(index, target) for _, index, target in tensors])
+        values.sort(key=lambda read: read[1])  # in file order, as DCP's reader reads
+        tensors.sort(key=lambda read: read[1])
+        return InPlaceReads(self, state, values, tensors)
 
-    @functools.cached_property
-    def _entries_by_chunk(self) -> dict[tuple[str, tuple[int, ...] | None], tuple[MetadataIndex, Any]]:
-        """Each saved entry's index and where it lies, by its name and offsets: a tuple hashes and compares at a
-        fraction of the cost of DCP's ``MetadataIndex``, looked up for each of thousands of tensors."""
-        return {(index.fqn, index.offset): (index, info) for index, info in self._metadata.storage_data.items()}
+    def reading(self, fqn: str, place: EntryPlace, nbytes: int) -> ChunkReading:
+        """The ``nbytes`` of the tensor of the saved chunk of ``fqn`` at ``place``, to read in parts from first to
+        last, checked once the last arrives."""
+        record, where = self._entries.of(place, fqn)
+        return ChunkReading(self._open(place.relative_path), record, nbytes, where)
 
-    def reading(self, index: MetadataIndex, nbytes: int) -> ChunkReading:
-        """The ``nbytes`` of the saved chunk ``index``'s tensor, to read in parts from first to last, checked once
-        the last arrives."""
-        info = self._metadata.storage_data[index]
-        record, where = self._entries.of(info, index.fqn)
-        return ChunkReading(self._open(info.relative_path), record, nbytes, where)
+    def read_value(self, fqn: str, place: EntryPlace) -> bytearray:
+        """The bytes of the value ``fqn``, whose entry lies at ``place``, checked."""
+        record, where = self._entries.of(place, fqn)
+        return read_whole(self._open(place.relative_path), record, where)
 
-    def _recorded(self, index: MetadataIndex) -> EntryRecord | None:
-        info = self._metadata.storage_data.get(index)
-        return None if info is None else self._entries.recorded(info.relative_path, info.offset, info.length)
-
-    def _place_of(self, index: MetadataIndex) -> tuple[str, int]:
-        info = self._metadata.storage_data[index]
-        return info.relative_path, info.offset
-
-    def read_entry(self, index: MetadataIndex, into: memoryview | None = None) -> bytearray | None:
-        """The entry ``index``: a value's bytes, whole; or a tensor's bytes read into ``into``, checked."""
-        info = self._metadata.storage_data[index]
-        record, where = self._entries.of(info, index.fqn)
-        f = self._open(info.relative_path)
-        if into is None:
-            return read_whole(f, record, where)
-        read_entry(f, record, into, where)
-        return None
-
-    def read_entries(self, reads: Sequence[tuple[MetadataIndex, memoryview]]) -> None:
-        """Read the tensors' bytes of the entries ``reads`` names into their views, checked, neighbours in a file
-        together (see :func:`~.dcp_entries.read_entries`)."""
+    def read_entries(self, reads: Sequence[tuple[str, EntryPlace, memoryview]]) -> None:
+        """Read the tensors' bytes of the entries ``reads`` names (each by its name and place) into their views,
+        checked, neighbours in a file together (see :func:`~.dcp_entries.read_entries`)."""
         by_file: dict[str, list[tuple[EntryRecord, memoryview, str]]] = {}
-        for index, into in reads:
-            info = self._metadata.storage_data[index]
-            record, where = self._entries.of(info, index.fqn)
-            by_file.setdefault(info.relative_path, []).append((record, into, where))
+        for fqn, place, into in reads:
+            record, where = self._entries.of(place, fqn)
+            by_file.setdefault(place.relative_path, []).append((record, into, where))
         for name, part in by_file.items():
             read_entries(self._open(name), part)
 
@@ -263,33 +247,26 @@ class InPlaceReads:
 
     saved: SavedTensors
     state: dict[str, Any]
-    values: list[tuple[MetadataIndex, tuple[Any, ...]]]
-    tensors: list[tuple[MetadataIndex, torch.Tensor]]
+    #: each value's name, place, and path in the state
+    values: list[tuple[str, EntryPlace, tuple[Any, ...]]]
+    #: each tensor's name and place, and the tensor to read it into
+    tensors: list[tuple[str, EntryPlace, torch.Tensor]]
 
     def read_values(self, weights_only: bool = True) -> None:
         """Read each value and put it where it was in the state, as DCP's planner loads it (with
         ``torch.load(..., weights_only=weights_only)``)."""
-        for index, path in self.values:
-            content = self.saved.read_entry(index)
-            assert content is not None
+        for fqn, place, path in self.values:
+            content = self.saved.read_value(fqn, place)
             node: Any = self.state
             for step in path[:-1]:
                 node = node[step]
-            node[path[-1]] = load_value(content, f"{self.saved.place.location()}, entry {index.fqn}", weights_only)
+            node[path[-1]] = load_value(content, f"{self.saved.place.location()}, entry {fqn}", weights_only)
 
     def read_tensors(self) -> None:
         """Read each tensor into its place, neighbours in a file together."""
-        self.saved.read_entries([(index, torch_zip.tensor_bytes(target)) for index, target in self.tensors])
+        self.saved.read_entries([(fqn, place, torch_zip.tensor_bytes(target)) for fqn, place, target in self.tensors])
 
 
 def _block_of(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The offsets and sizes of a tensor that is whole."""
     return (0,) * tensor.dim(), tuple(tensor.shape)
-
-
-def _holds(saved: TensorStorageMetadata, offsets: tuple[int, ...], sizes: tuple[int, ...], local: torch.Tensor) -> bool:
-    """Whether one chunk of ``saved`` is exactly the block ``offsets``, ``sizes``, which ``local`` holds in CPU memory
-    laid out as saved."""
-    if not (laid_out(local, saved.properties.dtype) and local.shape == sizes):
-        return False
-    return any(chunk.offsets == offsets and chunk.sizes == sizes for chunk in saved.chunks)

@@ -7,34 +7,31 @@ files itself, straight from tensor memory, computing the CRC-32 of every file an
 ``ignite_zero.json``, listing each file with its size and checksum, and where each of its entries lies with theirs.
 :func:`verify` checks a directory against its manifest, whole.
 
-Reading goes through DCP's planning: a template names the entries a rank needs (tensors allocated from the
-directory's metadata, or ``DTensor``\\ s of the rank's own shards for FSDP) and DCP fills them, resharding across world
-sizes. Each entry is read straight into its tensor and checked by the manifest's record as it arrives; a directory
-without manifest (another tool's) is read by DCP's own reader, unverified.
+The manifest also holds the index of the entries (:class:`~.dcp_index.EntryIndex`): what a load needs of
+``.metadata``, as plain data. A template names the entries a rank needs (tensors allocated from the index, or
+``DTensor``\\ s of the rank's own shards for FSDP): where each is one saved chunk it is read straight into place
+(:class:`~.dcp_saved.SavedTensors`); else DCP's planning fills them, resharding across world sizes. Each entry is
+checked by the manifest's record as it arrives; a directory without manifest (another tool's) is read by DCP's own
+reader, unverified.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import math
 import os
 import warnings
 import zlib
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ignite_zero import _compat
 from ignite_zero.storage.formats.base import (
@@ -47,14 +44,24 @@ from ignite_zero.storage.formats.base import (
     tensor_entry,
     written_by,
 )
-from ignite_zero.storage.formats.dcp_entries import METADATA, EntryRecord, metadata_of, pack_records, unpack_records
-from ignite_zero.storage.formats.dcp_files import PlaceStorageReader, PlaceStorageWriter, tensor_nbytes
+from ignite_zero.storage.formats.dcp_entries import (
+    INDEX,
+    METADATA,
+    EntryRecord,
+    metadata_of,
+    pack_records,
+    read_recorded_file,
+    unpack_records,
+)
+from ignite_zero.storage.formats.dcp_files import PlaceStorageReader, PlaceStorageWriter
+from ignite_zero.storage.formats.dcp_index import EntryIndex, TensorLayout
 from ignite_zero.storage.formats.dcp_saved import SavedTensors
 from ignite_zero.storage.formats.trust import load_value
 from ignite_zero.storage.places import Place, place_of
 
 __all__ = [
     "MANIFEST",
+    "Contents",
     "DirectoryWriter",
     "DirectoryReader",
     "check_committed",
@@ -64,12 +71,12 @@ __all__ = [
     "is_committed",
     "writer_for",
     "load",
+    "load_whole",
     "name_of",
     "nest",
-    "path_of",
+    "read_contents",
     "read_manifest",
     "in_one_process",
-    "read_metadata",
     "seal",
     "template",
     "verify",
@@ -78,8 +85,9 @@ __all__ = [
 #: The manifest that seals a sharded checkpoint directory: each file's size and CRC-32.
 MANIFEST = "ignite_zero.json"
 _FORMAT = "ignite_zero-sharded"
-# 2: each file's records a base64 table; 1 (still read): lists of five integers.
-_VERSION = 2
+# 3: lists the index of the entries (ignite_zero_index.json); 2 (still read, indexed from .metadata): each file's
+# records a base64 table; 1 (still read): lists of five integers.
+_VERSION = 3
 _READ_CHUNK = 1 << 20
 
 
@@ -102,16 +110,20 @@ def writer_for(place: Place, thread_count: int) -> DirectoryWriter:
 class _ForeignReader(_compat.DcpFsspecReader):
     """DCP's own reader, for a directory without manifest (another tool's): through fsspec, which reads a local
     directory and a URL alike; its ``.metadata`` read through :func:`~.trust.load_metadata` (DCP's own reader
-    unpickles whatever it holds)."""
+    unpickles whatever it holds), once (see :meth:`PlaceStorageReader.read_metadata
+    <.dcp_files.PlaceStorageReader.read_metadata>`)."""
 
     def __init__(self, place: Place, trusted: bool) -> None:
         super().__init__(str(place.location()), **(place.storage_options or {}))
         self._place = place
         self._trusted = trusted
+        self._metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        where = str(self._place.location(METADATA))
-        return metadata_of(self._place.read(METADATA), where, self._trusted, getattr(self, "load_id", None))
+        if self._metadata is None:
+            content = self._place.read(METADATA)
+            self._metadata = metadata_of(content, self._place, self._trusted, getattr(self, "load_id", None))
+        return self._metadata
 
 
 class _SafeValuesPlanner(DefaultLoadPlanner):
@@ -213,8 +225,11 @@ def verify(where: str | os.PathLike | Place, whole: bool = True) -> dict[str, An
             stacklevel=3,
         )
         return None
-    entry_records(manifest)  # where each entry lies, as a load reads it
+    records = entry_records(manifest)  # where each entry lies, as a load reads it
+    assert records is not None
     present = place.file_sizes()
+    if INDEX in records:
+        _checked_index(place, records, present)
     for name, expected in manifest["files"].items():
         check_file(place, name, expected["size"], expected["crc32"] if whole else None, present)
     check_unlisted(place, present, manifest["files"])
@@ -290,79 +305,59 @@ def file_crc(place: Place, name: str) -> int:
     return crc
 
 
-def read_metadata(
-    where: str | os.PathLike | Place,
-    records: Mapping[str, Sequence[EntryRecord]] | None = None,
-    trusted: bool = False,
-) -> Metadata:
-    """DCP's metadata of a checkpoint directory: every entry's name, shape and dtype, and where it lies; checked by
-    its CRC-32 with the manifest's ``records`` (see :func:`entry_records`), and against the sizes of the files.
+class Contents(NamedTuple):
+    """What a checkpoint directory holds, as its manifest says (without one, its ``.metadata``)."""
+
+    #: where each entry of each file lies and its CRC-32 (see :func:`entry_records`); ``None`` without manifest
+    records: dict[str, list[EntryRecord]] | None
+    #: every entry's path, each tensor's dtype, shape and chunks, and where each lies
+    entry_index: EntryIndex
+
+
+def read_contents(where: str | os.PathLike | Place, trusted: bool = False) -> Contents:
+    """What the checkpoint directory ``where`` holds: the manifest's records and index, their sizes and offsets
+    checked against the files. A manifest without index (written before it) or a directory without manifest
+    (another tool's) is indexed from its ``.metadata``.
 
     Args:
         where: the directory.
-        records: the manifest's records of its entries.
-        trusted: unpickle whatever ``.metadata`` holds (see :mod:`~ignite_zero.storage.formats.trust`).
+        trusted: unpickle whatever ``.metadata`` holds, where it is read (see
+            :mod:`~ignite_zero.storage.formats.trust`).
 
     Raises:
-        UnsafeCheckpointError: ``.metadata`` holds anything but DCP's metadata, unless ``trusted``.
-        IntegrityError: it is corrupt, or places an entry outside its file or over another, or gives a tensor more
-            bytes than its entries hold.
+        UnsafeCheckpointError: ``.metadata``, where it is read, holds anything but DCP's metadata, unless ``trusted``.
+        IntegrityError: the manifest or ``.metadata`` is corrupt, places an entry outside its file or over another,
+            or gives a tensor more bytes than its entries hold.
     """
     place = place_of(where)
-    reader = _ForeignReader(place, trusted) if records is None else PlaceStorageReader(place, records, trusted)
-    metadata = reader.read_metadata()
-    _check_bounds(place, metadata)
-    return metadata
+    manifest = read_manifest(place)
+    records = entry_records(manifest)
+    if records is None or INDEX not in records:
+        reader = _ForeignReader(place, trusted) if records is None else PlaceStorageReader(place, records, trusted)
+        return Contents(records, EntryIndex.of_metadata(reader.read_metadata(), str(place.location(METADATA))))
+    return Contents(records, _checked_index(place, records, place.file_sizes()))
 
 
-def _check_bounds(place: Place, metadata: Metadata) -> None:
-    """Sizes and offsets that ``.metadata`` gives must fit the files before anything is allocated from them: every
-    entry inside its file and over no other, every tensor's chunks within the tensor and their entries."""
-    sizes = place.file_sizes()
-    where = place.location(METADATA)
-    spans: dict[str, list[tuple[int, int, str]]] = {}
-    # each entry's length by its name and offsets, what DCP's MetadataIndex compares: a tuple hashes and compares at a
-    # fraction of that dataclass's cost, paid for each of thousands of entries
-    lengths: dict[tuple[str, Sequence[int] | None], int] = {}
-    for index, info in metadata.storage_data.items():
-        offset, length, path = info.offset, info.length, info.relative_path
-        # a file this host lacks (one host's directory of a replicated checkpoint) bounds nothing here: it is read
-        # from where it lies, or a load that needs it fails
-        size = sizes.get(path, offset + length)
-        if offset < 0 or length < 0 or offset + length > size:
-            raise IntegrityError(
-                f"{where} places entry {index.fqn} at [{offset}, {offset + length}) of {path}, which has {size} "
-                "bytes: corrupt or forged"
-            )
-        spans.setdefault(path, []).append((offset, offset + length, index.fqn))
-        lengths[(index.fqn, index.offset)] = length  # a torch.Size, as a tuple; None for an object
-    for name, found in spans.items():
-        found.sort()
-        for (_, end, first), (start, _, second) in zip(found, found[1:]):
-            if start < end:
-                raise IntegrityError(f"{where} places entries {first} and {second} of {name} over each other")
-    for fqn, storage in metadata.state_dict_metadata.items():
-        if not isinstance(storage, TensorStorageMetadata):
-            continue
-        itemsize = storage.properties.dtype.itemsize
-        held = 0
-        for chunk in storage.chunks:
-            entry_length = lengths.get((fqn, tuple(chunk.offsets)))
-            inside = all(
-                0 <= offset and 0 <= length and offset + length <= extent
-                for offset, length, extent in zip(chunk.offsets, chunk.sizes, storage.size)
-            )
-            nbytes = math.prod(chunk.sizes) * itemsize
-            if entry_length is None or not inside or len(chunk.sizes) != len(storage.size) or nbytes > entry_length:
-                raise IntegrityError(f"{where}: a chunk of tensor {fqn} lies outside it or its entry (corrupt, forged)")
-            held += nbytes
-        if any(extent < 0 for extent in storage.size) or math.prod(storage.size) * itemsize > held:
-            raise IntegrityError(f"{where}: tensor {fqn} claims more bytes than its chunks hold: corrupt or forged")
+def _checked_index(
+    place: Place, records: Mapping[str, Sequence[EntryRecord]], file_sizes: Mapping[str, int]
+) -> EntryIndex:
+    """The index of the entries of ``place``, read from its file and checked by the manifest's ``records``, its sizes
+    and offsets against the files' sizes (``file_sizes``).
 
-
-def path_of(metadata: Metadata, name: str) -> tuple[Any, ...]:
-    """The path of a flattened entry in the nested state it was saved from (``("optimizer", "state", "3", ...)``)."""
-    return _compat.dcp_entry_path(metadata, name)
+    Raises:
+        IntegrityError: it is truncated or corrupt, or its sizes and offsets do not fit the files.
+    """
+    content = read_recorded_file(place, INDEX, next(iter(records[INDEX]), None))
+    where = str(place.location(INDEX))
+    try:
+        index = EntryIndex.parse(content, sum(map(len, records.values())))
+    except ValueError as error:
+        raise IntegrityError(
+            f"{where}: the index of the entries is corrupt ({error}). Restore the checkpoint from a good copy, or save "
+            "it again."
+        ) from None
+    index.check_bounds(file_sizes, where)
+    return index
 
 
 def name_of(path: tuple[Any, ...]) -> str:
@@ -370,28 +365,26 @@ def name_of(path: tuple[Any, ...]) -> str:
     return ".".join(map(str, path))
 
 
-def template(metadata: Metadata, keep: Callable[[tuple[Any, ...]], bool], unread: bool = False) -> dict[str, Any]:
-    """A flat template to read the entries whose path ``keep`` accepts: tensors allocated from the metadata (read
-    whole, whatever the sharding they were saved with), ``None`` for other values. ``unread``: the tensors on the meta
+def template(index: EntryIndex, keep: Callable[[tuple[Any, ...]], bool], unread: bool = False) -> dict[str, Any]:
+    """A flat template to read the entries whose path ``keep`` accepts: tensors allocated from the index (read whole,
+    whatever the sharding they were saved with), ``None`` for other values. ``unread``: the tensors on the meta
     device instead, for a reader to read when they are taken (:class:`~.dcp_saved.SavedTensor`)."""
     flat: dict[str, Any] = {}
     device = "meta" if unread else "cpu"
-    for name, storage in metadata.state_dict_metadata.items():
-        if not keep(path_of(metadata, name)):
+    for name, path in index.paths.items():
+        if not keep(path):
             continue
-        if isinstance(storage, TensorStorageMetadata):
-            flat[name] = torch.empty(storage.size, dtype=storage.properties.dtype, device=device)
-        elif isinstance(storage, BytesStorageMetadata):
-            flat[name] = None
+        layout = index.layout(name)
+        flat[name] = None if layout is None else torch.empty(layout.size, dtype=layout.dtype, device=device)
     return flat
 
 
-def nest(metadata: Metadata, flat: Mapping[str, Any]) -> dict[str, Any]:
+def nest(index: EntryIndex, flat: Mapping[str, Any]) -> dict[str, Any]:
     """The nested state that flat entries read with a :func:`template` came from (dict keys as strings, list
     indices as positions)."""
     nested: dict[str, Any] = {}
     for name, value in flat.items():
-        path = path_of(metadata, name)
+        path = index.paths[name]
         node: Any = nested
         for step, following in zip(path[:-1], path[1:]):
             if isinstance(node, list):
@@ -431,11 +424,33 @@ def load(
     place = place_of(where)
     reader = _ForeignReader(place, trusted) if records is None else PlaceStorageReader(place, records, trusted)
     planner = _SafeValuesPlanner(str(place.location()), weights_only=not trusted)
+    reader.read_metadata()  # its failures as they are: DCP would raise them wrapped in its own words
     try:
         with in_one_process():  # each rank reads its own
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
     except CheckpointException as error:  # DCP wraps every failure of a rank: what went wrong, as it was raised
         raise next(iter(error.failures.values()))[0] from None
+
+
+def load_whole(flat: dict[str, Any], place: Place, contents: Contents, trusted: bool = False) -> None:
+    """Fill ``flat``, a flat :func:`template`, with the entries it names, whole. With the manifest's records, each is
+    read straight into place and checked, chunk by chunk (:meth:`SavedTensors.fill <.dcp_saved.SavedTensors.fill>`),
+    without DCP's planning or ``.metadata``; without (another tool's directory), by DCP's reader (:func:`load`).
+    Values are read as ``torch.load(..., weights_only=True)`` reads them, unless ``trusted``.
+
+    Raises:
+        IntegrityError: an entry read is corrupt or truncated.
+        UnsafeCheckpointError: a value, or ``.metadata`` where it is read, holds anything but data, unless ``trusted``.
+    """
+    records, index = contents
+    if records is None:
+        load(flat, place, None, trusted)
+        return
+    saved = SavedTensors(place, records, index)
+    try:
+        saved.fill(flat, weights_only=not trusted)
+    finally:
+        saved.close()
 
 
 @contextmanager
@@ -502,13 +517,12 @@ class DirectoryReader(Reader):
         """Every entry of the directory, read whole, nested as saved, with dict keys as DCP saves them: strings
         (:mod:`ignite_zero.loading.whole` keys optimizer state by index again). DCP reads the values that are no
         tensors as it saved them, ``weights_only`` or not."""
-        records = self.records()
-        if records is None:
-            verify(self.place)
         trusted = self.trusted or not weights_only
-        metadata = read_metadata(self.place, records, trusted)
-        names = list(metadata.state_dict_metadata)
-        sizes = {name: tensor_nbytes(metadata.state_dict_metadata[name]) for name in names}
+        if read_manifest(self.place) is None:
+            verify(self.place)
+        records, index = self.contents(trusted)
+        names = index.names
+        sizes = {name: 0 if (layout := index.layout(name)) is None else layout.nbytes for name in names}
         total, done = sum(sizes.values()), 0
         flat: dict[str, Any] = {}
         for batch in _batches(names, sizes):  # the whole state is held at the end; batches only show progress
@@ -517,39 +531,38 @@ class DirectoryReader(Reader):
             def keep(path: tuple[Any, ...], wanted: set[str] = wanted) -> bool:
                 return name_of(path) in wanted
 
-            part = template(metadata, keep)
-            load(part, self.place, records, trusted)
+            part = template(index, keep)
+            load_whole(part, self.place, Contents(records, index), trusted)
             flat.update(part)
             done += sum(sizes[name] for name in batch)
             if progress is not None:
                 progress(done, total)
-        return nest(metadata, flat)
+        return nest(index, flat)
 
-    def saved_tensors(self, records: Mapping[str, Sequence[EntryRecord]], metadata: Metadata) -> SavedTensors:
+    def saved_tensors(self, records: Mapping[str, Sequence[EntryRecord]], index: EntryIndex) -> SavedTensors:
         """The directory's entries, read without DCP's planning, with the manifest's ``records``: open until
         :meth:`close`."""
         if self._saved is None:
-            self._saved = SavedTensors(self.place, records, metadata)
+            self._saved = SavedTensors(self.place, records, index)
         return self._saved
 
-    def records(self) -> dict[str, list[EntryRecord]] | None:
-        """Where every entry lies and its CRC-32, from the manifest, for reads checked as they arrive; ``None``
-        without manifest (another tool's directory, read unverified)."""
-        return entry_records(read_manifest(self.place))
+    def contents(self, trusted: bool = False) -> Contents:
+        """What the directory holds (see :func:`read_contents`); ``trusted`` or :attr:`trusted`: ``.metadata``, where
+        it is read, unpickled whatever it holds."""
+        return read_contents(self.place, self.trusted or trusted)
 
     def listing(self) -> dict[str, Any]:
         manifest = read_manifest(self.place)
-        metadata = read_metadata(self.place, trusted=self.trusted)
+        index = self.contents().entry_index
         files = [name for name, is_directory in self.place.entries().items() if not is_directory]
         by_object: dict[str, list[dict[str, Any]]] = {}
-        for name, storage in metadata.state_dict_metadata.items():
-            entry_path = path_of(metadata, name)
+        for name, entry_path in index.paths.items():
             key = ".".join(map(str, entry_path[1:]))
-            if isinstance(storage, TensorStorageMetadata):
-                shards = len(storage.chunks)
-                entry = {**tensor_entry(key, storage.properties.dtype, tuple(storage.size)), "shards": shards}
+            layout = index.layout(name)
+            if layout is not None:
+                entry = {**tensor_entry(key, layout.dtype, tuple(layout.size)), "shards": len(layout.chunks)}
             else:
-                entry = {"key": key, "kind": "value"}  # not read: a listing reads the metadata only
+                entry = {"key": key, "kind": "value"}  # not read: a listing reads the index only
             by_object.setdefault(str(entry_path[0]), []).append(entry)
         return {
             "schema": 1,
@@ -562,21 +575,20 @@ class DirectoryReader(Reader):
         }
 
     def tensors(self, only: str) -> tuple[list[ExportedTensor], dict[str, str]]:
-        records = self.records()
-        metadata = read_metadata(self.place, records, self.trusted)
+        contents = self.contents()
+        index = contents.entry_index
         found = []
-        for flat_name, storage in metadata.state_dict_metadata.items():
-            path = path_of(metadata, flat_name)
-            if path[:1] != (only,) or not isinstance(storage, TensorStorageMetadata):
+        for flat_name, path in index.paths.items():
+            layout = index.layout(flat_name)
+            if path[:1] != (only,) or layout is None:
                 continue
-            dtype = storage.properties.dtype
 
-            def read(flat_name: str = flat_name, storage: Any = storage, dtype: torch.dtype = dtype) -> Any:
-                wanted = {flat_name: torch.empty(storage.size, dtype=dtype)}
-                load(wanted, self.place, records, self.trusted)  # this tensor alone, from every file holding a part
+            def read(flat_name: str = flat_name, layout: TensorLayout = layout) -> Any:
+                wanted = {flat_name: torch.empty(layout.size, dtype=layout.dtype)}
+                load_whole(wanted, self.place, contents, self.trusted)  # this tensor alone, every part of it
                 return wanted[flat_name]
 
-            found.append(ExportedTensor(".".join(map(str, path[1:])), dtype, tuple(storage.size), read))
+            found.append(ExportedTensor(".".join(map(str, path[1:])), layout.dtype, tuple(layout.size), read))
         if not found:
             raise KeyError(f"The checkpoint {self.path} has no tensors under {only!r}; pass --only with another entry")
         return found, {}

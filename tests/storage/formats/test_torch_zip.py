@@ -25,8 +25,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from ignite_zero import IntegrityError
 from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.formats import scratch, torch_zip
-from ignite_zero.storage.formats.dcp_entries import EntryRecord, pack_records, unpack_records
+from ignite_zero.storage.formats.dcp_entries import INDEX, EntryRecord, pack_records, unpack_records
 from ignite_zero.storage.formats.dcp_files import PlaceStorageReader, PlaceStorageWriter
+from ignite_zero.storage.formats.dcp_index import EntryIndex
 from ignite_zero.storage.formats.dcp_saved import SavedTensors
 from ignite_zero.storage.formats.torch_zip import write_archive
 from ignite_zero.storage.places import LocalPlace
@@ -331,16 +332,17 @@ def test_dcp_files_are_dcps_own_entry_by_entry(tmp_path, make_state, monkeypatch
     if make_state is _many_small_tensors:  # held until 1,024 of them, or 1 MiB of them
         assert len(batches[0]) == 1024 and any(sum(t.nbytes for t in batch) == 1 << 20 for batch in batches)
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    assert sorted(p.name for p in ours.iterdir()) == sorted([INDEX, *(p.name for p in theirs.iterdir())])
     our_metadata = pickle.loads((ours / ".metadata").read_bytes())
     their_metadata = pickle.loads((theirs / ".metadata").read_bytes())
     assert our_metadata.state_dict_metadata == their_metadata.state_dict_metadata
     assert our_metadata.storage_data == their_metadata.storage_data  # every entry at the same offset and length
     our_file, their_file = (ours / "__0_0.distcp").read_bytes(), (theirs / "__0_0.distcp").read_bytes()
-    metadata = (ours / ".metadata").read_bytes()
+    metadata, index = (ours / ".metadata").read_bytes(), (ours / INDEX).read_bytes()
     assert writer.written == {
         "__0_0.distcp": (len(our_file), zlib.crc32(our_file)),
         ".metadata": (len(metadata), zlib.crc32(metadata)),
+        INDEX: (len(index), zlib.crc32(index)),
     }
     for info in our_metadata.storage_data.values():
         our_entry = our_file[info.offset : info.offset + info.length]
@@ -399,7 +401,7 @@ def test_our_reader_reads_into_place_and_reshards(tmp_path):
 def test_a_plan_reads_nothing_and_fills_what_lies_in_one_saved_chunk(tmp_path):
     state, writer = _save_both(tmp_path)
     place = LocalPlace(tmp_path / "ours")
-    saved = SavedTensors(place, writer.records, PlaceStorageReader(place, writer.records).read_metadata())
+    saved = SavedTensors(place, writer.records, _index(writer))
     blank = _blank(state)
     reads = saved.in_place_reads(blank)
     assert reads is not None
@@ -415,9 +417,14 @@ def test_a_plan_reads_nothing_and_fills_what_lies_in_one_saved_chunk(tmp_path):
     saved.close()
 
 
+def _index(writer):
+    """The index of the entries that ``writer`` wrote, as the manifest holds it."""
+    return EntryIndex.parse(writer.place.read(INDEX), sum(map(len, writer.records.values())))
+
+
 def _read_in_place(tmp_path, writer, blank):
     place = LocalPlace(tmp_path / "ours")
-    saved = SavedTensors(place, writer.records, PlaceStorageReader(place, writer.records).read_metadata())
+    saved = SavedTensors(place, writer.records, _index(writer))
     try:
         reads = saved.in_place_reads(blank)
         assert reads is not None and len(reads.tensors) > 1
@@ -448,8 +455,8 @@ def test_a_corrupt_byte_anywhere_in_an_entry_read_is_caught(tmp_path):
     for tensors in ("model", "optimizer"):  # the tensors only: values are read apart
         for key, value in state[tensors].items():
             assert not isinstance(value, torch.Tensor) or torch.equal(blank[tensors][key], value)
-    path.write_bytes(good[:-100])
-    with pytest.raises(IntegrityError, match=r"the file ends early \(truncated\?\)"):
+    path.write_bytes(good[:-100])  # found before anything is read: its last entries lie past its end
+    with pytest.raises(IntegrityError, match=r"__0_0.distcp, which has \d+ bytes: truncated, corrupt or forged"):
         _load_ours(tmp_path, writer, _blank(state))
 
 
@@ -459,8 +466,8 @@ def test_files_of_several_threads(tmp_path):
     with sharded.in_one_process():
         dcp.save(state, storage_writer=writer, no_dist=True)
     files = sorted(p.name for p in (tmp_path / "ours").iterdir())
-    assert files == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
-    for name in files[1:]:
+    assert files == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp", INDEX]
+    for name in files[1:-1]:
         content = (tmp_path / "ours" / name).read_bytes()
         assert writer.written[name] == (len(content), zlib.crc32(content))
     _assert_equal(_load_ours(tmp_path, writer, _blank(state)), state)
@@ -470,7 +477,7 @@ def test_files_of_several_threads(tmp_path):
     _assert_equal(loaded, state)
     # read by name, whole, as the objects that hold them take them: into new tensors, or into tensors that exist
     place = LocalPlace(tmp_path / "ours")
-    saved = SavedTensors(place, writer.records, PlaceStorageReader(place, writer.records).read_metadata())
+    saved = SavedTensors(place, writer.records, _index(writer))
     weight = torch.empty(40, 30)
     assert torch.equal(saved.read("model.weight", weight), state["model"]["weight"])
     assert torch.equal(weight, state["model"]["weight"]) and saved.fits("model.weight", weight)
@@ -514,7 +521,7 @@ def test_a_manifest_of_records_as_lists_still_loads_and_verifies(tmp_path):
         dcp.save(state, storage_writer=writer, no_dist=True)
     sharded.seal(place, writer.written, writer.records)
     manifest = json.loads(place.read(sharded.MANIFEST))
-    assert manifest["version"] == 2 and all(isinstance(f["records"], str) for f in manifest["files"].values())
+    assert manifest["version"] == 3 and all(isinstance(f["records"], str) for f in manifest["files"].values())
     manifest["version"] = 1
     for name, listed in manifest["files"].items():
         listed["records"] = [list(record) for record in writer.records[name]]

@@ -31,7 +31,7 @@ from ignite_zero import (
     find_latest,
 )
 from ignite_zero.storage.formats import directory as sharded
-from ignite_zero.storage.formats.dcp_entries import EntryRecord, pack_records, unpack_records
+from ignite_zero.storage.formats.dcp_entries import INDEX, EntryRecord, pack_records, unpack_records
 
 _MARKER = "planted-by-the-checkpoint"
 
@@ -63,8 +63,9 @@ class _Extra:
         self.value = state["value"]
 
 
-def _forge_metadata(directory: Path, marker: Path, manifest: bool) -> None:
-    """Put the payload into ``.metadata``; rewrite the manifest to match, as anyone who can write the directory can."""
+def _forge_metadata(directory: Path, marker: Path, manifest: bool, index: bool = False) -> None:
+    """Put the payload into ``.metadata``; rewrite the manifest to match, as anyone who can write the directory can,
+    without the index of the entries (as a manifest written before it) unless ``index``."""
     path = directory / ".metadata"
     metadata = pickle.loads(path.read_bytes())
     metadata.planner_data = {**(metadata.planner_data or {}), "forged": _Payload(marker)}
@@ -77,6 +78,9 @@ def _forge_metadata(directory: Path, marker: Path, manifest: bool) -> None:
         saved = json.loads(manifest_path.read_text())
         crc = zlib.crc32(content)
         saved["files"][".metadata"] = {"size": len(content), "crc32": crc, "records": [[0, len(content), crc, 0, crc]]}
+        if not index:
+            del saved["files"][INDEX]
+            (directory / INDEX).unlink()
         manifest_path.write_text(json.dumps(saved))
 
 
@@ -184,6 +188,22 @@ def test_every_kind_of_checkpoint_refuses_code_at_every_entry_point_unless_trust
             marker.unlink(missing_ok=True)
 
 
+def test_our_directory_is_read_by_its_index_and_its_metadata_left_unread(tmp_path, capsys):
+    """A load, a listing, an export and a consolidation of a directory of ours read the manifest's index of the
+    entries, not ``.metadata`` (kept for DCP's own readers): whatever that holds, nothing of it runs."""
+    marker = tmp_path / _MARKER
+    path = Path(_ours(tmp_path / "ckpt"))
+    _forge_metadata(path, marker, manifest=True, index=True)
+    fresh = tiny_model(seed=1)
+    Checkpoint.load_objects({"model": fresh}, str(path))
+    assert_state_equal(fresh.state_dict(), tiny_model().state_dict())
+    assert cli.main(["inspect", str(path)]) == 0 and cli.main(["verify", str(path)]) == 0
+    assert cli.main(["export", str(path), str(tmp_path / "exported")]) == 0
+    assert cli.main(["consolidate", str(path), str(tmp_path / "one.pt")]) == 0
+    assert_state_equal(torch.load(tmp_path / "one.pt", weights_only=True)["model"], tiny_model().state_dict())
+    assert not marker.exists() and "refused" not in capsys.readouterr().err
+
+
 def test_a_checkpoint_of_data_alone_loads_as_before(tmp_path):
     """What the package writes holds data alone: RandomState, an engine, schedulers load without trust."""
     model = tiny_model()
@@ -257,7 +277,7 @@ def test_every_rank_refuses_a_poisoned_sharded_checkpoint(tmp_path):
 def test_metadata_that_claims_more_than_the_files_hold_is_an_integrity_error(tmp_path):
     for forge, message in (
         (lambda m: _grow_tensor(m, 10**11), "claims more bytes than its chunks hold"),
-        (lambda m: _move_entry(m, 10**12), "which has .* bytes: corrupt or forged"),
+        (lambda m: _move_entry(m, 10**12), "which has .* bytes: truncated, corrupt or forged"),
         (lambda m: _move_entry(m, -5), "corrupt or forged"),
         (lambda m: _overlap_entries(m), "over each other"),
     ):
@@ -351,4 +371,4 @@ def test_metadata_of_a_directory_that_lacks_files_is_read(tmp_path):
     directory = Path(_ours(tmp_path))
     for path in directory.glob("*.distcp"):
         path.unlink()
-    assert sharded.read_metadata(directory).state_dict_metadata
+    assert sharded.read_contents(directory).entry_index.names

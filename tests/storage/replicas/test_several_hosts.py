@@ -147,7 +147,7 @@ def test_replicas_on_node_local_disks(tmp_path: Path, free_port: int) -> None:
     wait_for(start_hosts("replicated", tmp_path, nproc_per_node=1, port=free_port), timeout=180)
     seen = _results(tmp_path, range(2))
     fast, durable = tmp_path / "node-local" / "fast", tmp_path / "durable"
-    every_file = [".metadata", "__0_0.distcp", "__1_0.distcp", "ignite_zero.json"]
+    every_file = [".metadata", "__0_0.distcp", "__1_0.distcp", "ignite_zero.json", "ignite_zero_index.json"]
 
     # each host holds its own files and the other's: every file, n_saved on each
     assert [s["saved"] for s in seen] == [{"checkpoint_2.dcp": every_file, "checkpoint_3.dcp": every_file}] * 2
@@ -182,7 +182,12 @@ def test_replicas_on_node_local_disks(tmp_path: Path, free_port: int) -> None:
     _lose_the_second_host_at_a_save(start_hosts("grown", tmp_path, port=free_port), tmp_path)
     seen = _results(tmp_path, range(2))
     assert {s["resumed"] for s in seen} == {str(fast / "checkpoint_4.dcp")}
-    four_ranks = [".metadata", *(f"__{rank}_0.distcp" for rank in range(4)), "ignite_zero.json"]
+    four_ranks = [
+        ".metadata",
+        *(f"__{rank}_0.distcp" for rank in range(4)),
+        "ignite_zero.json",
+        "ignite_zero_index.json",
+    ]
     assert [s["saved"]["checkpoint_5.dcp"] for s in seen] == [four_ranks] * 2
     sync_timeout = 5
     for kind, text, elapsed in (s["lost"] for s in seen):
@@ -204,12 +209,12 @@ def test_verify_on_each_of_three_hosts(tmp_path: Path, free_port: int) -> None:
     ``ignite-zero verify`` of its directory checks those and names the files that live elsewhere."""
     wait_for(start_hosts("three_hosts", tmp_path, nnodes=3, nproc_per_node=1, port=free_port), timeout=120)
     seen = _results(tmp_path, range(3))
-    held = [[".metadata", "__0_0.distcp", "__2_0.distcp"], [".metadata", "__0_0.distcp", "__1_0.distcp"]]
-    held.append(["__1_0.distcp", "__2_0.distcp"])
-    assert [s["files"]["checkpoint_0.dcp"] for s in seen] == [[*files, "ignite_zero.json"] for files in held]
+    rank_0 = [".metadata", "__0_0.distcp", "ignite_zero_index.json"]  # the coordinator's files
+    held = [[*rank_0, "__2_0.distcp"], [*rank_0, "__1_0.distcp"], ["__1_0.distcp", "__2_0.distcp"]]
+    assert [s["files"]["checkpoint_0.dcp"] for s in seen] == [sorted([*files, "ignite_zero.json"]) for files in held]
     for host, (status, printed) in enumerate(s["verify"] for s in seen):
         assert status == 0, printed
-        assert f"OK on host-{host}: {len(held[host])} of 4 files here, sizes and CRC-32 match" in printed, printed
+        assert f"OK on host-{host}: {len(held[host])} of 5 files here, sizes and CRC-32 match" in printed, printed
         assert "replicated on 3 hosts, host-0, host-1, host-2, with replicas=1" in printed, printed
     assert "only on other hosts: __1_0.distcp (host-1, host-2)" in seen[0]["verify"][1]
     assert "only on other hosts: .metadata (host-0, host-1); __0_0.distcp (host-0, host-1)" in seen[2]["verify"][1]

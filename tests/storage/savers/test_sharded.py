@@ -51,9 +51,11 @@ def test_a_sharded_checkpoint_is_a_sealed_directory_with_one_file_per_rank(saved
         "__0_0.distcp",
         "__1_0.distcp",
         "ignite_zero.json",
+        "ignite_zero_index.json",
     ]
     manifest = sharded.verify(checkpoint)
-    assert manifest["world_size"] == 2 and sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert manifest["world_size"] == 2
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "ignite_zero_index.json"]
 
 
 @pytest.mark.distributed
