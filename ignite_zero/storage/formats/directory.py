@@ -216,24 +216,29 @@ def verify(where: str | os.PathLike | Place, whole: bool = True) -> dict[str, An
         IntegrityError: naming the directory and what differs: an incomplete directory, a missing, truncated or
             corrupt file.
     """
-    place = place_of(where)
+    return _verified(place_of(where), whole)[0]
+
+
+def _verified(place: Place, whole: bool) -> tuple[dict[str, Any] | None, Contents | None]:
+    """:func:`verify`: the manifest, and what it says the directory holds where it has the index of the entries."""
     check_committed(place)
     manifest = read_manifest(place)
     if manifest is None:
-        warnings.warn(
+        warnings.warn(  # the caller of verify, or of DirectoryReader.verify
             f"{place} carries no ignite_zero manifest (written by another tool); loading it without verification.",
             stacklevel=3,
         )
-        return None
+        return None, None
     records = entry_records(manifest)  # where each entry lies, as a load reads it
     assert records is not None
     present = place.file_sizes()
+    contents = None
     if INDEX in records:
-        _checked_index(place, records, present)
+        contents = Contents(records, _checked_index(place, records, present))
     for name, expected in manifest["files"].items():
         check_file(place, name, expected["size"], expected["crc32"] if whole else None, present)
     check_unlisted(place, present, manifest["files"])
-    return manifest
+    return manifest, contents
 
 
 def check_file(place: Place, name: str, size: int, crc: int | None, present: Mapping[str, int]) -> None:
@@ -479,6 +484,7 @@ class DirectoryReader(Reader):
         self.place = place
         self.path = place.location()
         self._saved: SavedTensors | None = None
+        self._contents: Contents | None = None  # what verify() read, for the load that follows
 
     def close(self) -> None:
         if self._saved is not None:
@@ -505,7 +511,8 @@ class DirectoryReader(Reader):
         return self.place.exists()
 
     def verify(self, whole: bool = True) -> Verification:
-        manifest = verify(self.place, whole)  # not whole: a load checks each entry it reads as it reads it
+        # not whole: a load checks each entry it reads as it reads it
+        manifest, self._contents = _verified(self.place, whole)
         if manifest is None:
             return Verification(False, "manifest", "written by another tool")
         checked = (
@@ -547,9 +554,9 @@ class DirectoryReader(Reader):
         return self._saved
 
     def contents(self, trusted: bool = False) -> Contents:
-        """What the directory holds (see :func:`read_contents`); ``trusted`` or :attr:`trusted`: ``.metadata``, where
-        it is read, unpickled whatever it holds."""
-        return read_contents(self.place, self.trusted or trusted)
+        """What the directory holds (see :func:`read_contents`), as :meth:`verify` read it if it did; ``trusted`` or
+        :attr:`trusted`: ``.metadata``, where it is read, unpickled whatever it holds."""
+        return self._contents or read_contents(self.place, self.trusted or trusted)
 
     def listing(self) -> dict[str, Any]:
         manifest = read_manifest(self.place)
