@@ -116,18 +116,22 @@ class _DirectoryEntries:
         self._saved: SavedTensors | None = None
         if self._records is not None:
             self._saved = reader.saved_tensors(self._records, self._index)
-        self._paths = set(self._index.paths.values())
+        # each saved path by the object it belongs to (its first step): what an object's own paths are, found once
+        self._by_object: dict[Any, set[tuple[Any, ...]]] = {}
+        for saved in self._index.paths.values():
+            self._by_object.setdefault(saved[0], set()).add(saved[1:])
         self._templates: dict[tuple[Any, ...], Any] = {}
         self._later: dict[tuple[Any, ...], InPlaceReads] = {}  # shards read into the objects' own tensors later
         self._flat: dict[str, Any] = {}
 
     def add(self, path: tree.Path, obj: Any, into_objects: bool) -> None:
         """Gather the entries of the object at ``path``: its template of its own shards, or the entries it wants."""
-        relative = {p[len(path) :] for p in self._paths if p[: len(path)] == path}
+        below = self._by_object.get(path[0], set())
+        relative = below if len(path) == 1 else {p[len(path) - 1 :] for p in below if p[: len(path) - 1] == path[1:]}
         if not relative:
             raise ValueError(  # ignite's words first, as for a file
                 f"Key '{'.'.join(map(str, path))}' from x is not found in y: the checkpoint has no such entry (it "
-                f"holds {sorted({str(p[0]) for p in self._paths})}); load only the objects it holds, or pass the right "
+                f"holds {sorted(map(str, self._by_object))}); load only the objects it holds, or pass the right "
                 "directory."
             )
         own = obj.sharded_template(relative, into_objects) if isinstance(obj, ShardedState) else None

@@ -234,15 +234,15 @@ class EntryIndex:
         span = self._rows_of.get(name)
         if span is None:
             return None
-        dims = self._dims
-        if len(offsets) != self._rows[span[0]][_NDIM]:
+        rows, ndim = self._rows, len(offsets)
+        if rows[span[0]][_NDIM] != ndim or rows[span[0]][_DTYPE] < 0:
             return None
-        ndim = len(offsets)
-        wanted = [*offsets, *[0] * (dims - ndim)]
-        for row in self._rows[span[0] : span[1]]:
-            if row[_DTYPE] >= 0 and row[_FILE] >= 0 and row[_FIXED + dims : _FIXED + 2 * dims] == wanted:
-                place = EntryPlace(self._files[row[_FILE]], row[_OFFSET], row[_LENGTH])
-                return self._dtypes[row[_DTYPE]], tuple(row[_FIXED + 2 * dims : _FIXED + 2 * dims + ndim]), place
+        at, wanted = _FIXED + self._dims, list(offsets)
+        for n in range(*span):
+            row = rows[n]
+            if row[at : at + ndim] == wanted and row[_FILE] >= 0:
+                sizes = tuple(row[at + self._dims : at + self._dims + ndim])
+                return self._dtypes[row[_DTYPE]], sizes, EntryPlace(self._files[row[_FILE]], row[_OFFSET], row[_LENGTH])
         return None
 
     def value_place(self, name: str) -> EntryPlace | None:
