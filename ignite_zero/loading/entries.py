@@ -127,7 +127,8 @@ class _DirectoryEntries:
     def add(self, path: tree.Path, obj: Any, into_objects: bool) -> None:
         """Gather the entries of the object at ``path``: its template of its own shards, or the entries it wants."""
         below = self._by_object.get(path[0], set())
-        relative = below if len(path) == 1 else {p[len(path) - 1 :] for p in below if p[: len(path) - 1] == path[1:]}
+        depth = len(path) - 1
+        relative = {p[depth:] for p in below if p[:depth] == path[1:]} if depth else set(below)
         if not relative:
             raise ValueError(  # ignite's words first, as for a file
                 f"Key '{'.'.join(map(str, path))}' from x is not found in y: the checkpoint has no such entry (it "

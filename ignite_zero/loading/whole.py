@@ -33,7 +33,7 @@ def streamed_state(
 
     Raises:
         UnsafeCheckpointError: a pickle of it holds anything but data, unless ``trusted``.
-        IntegrityError: the directory is incomplete, or its manifest or ``.metadata`` is corrupt.
+        IntegrityError: the directory is incomplete, or its manifest, its index or ``.metadata`` is corrupt.
     """
     if read_manifest(place) is None:
         verify(place)  # its warning of a directory without manifest names the caller, as the command line shows it

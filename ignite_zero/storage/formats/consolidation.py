@@ -126,11 +126,17 @@ class StreamedTensors:
     def read_all(self) -> None:
         """Read every tensor whole into its own memory (for a writer that reads the memory itself)."""
         for name, tensor in self._tensors.items():
-            load_whole({name: tensor}, self._place, self._contents, self._trusted)
+            self._load_whole(name, tensor)
 
     def close(self) -> None:
         if self._saved is not None:
             self._saved.close()
+
+    def _load_whole(self, name: str, into: torch.Tensor) -> None:
+        if self._saved is not None:  # the files this source keeps open
+            self._saved.read(name, into)
+        else:
+            load_whole({name: into}, self._place, self._contents, self._trusted)
 
     def _read(self, name: str, start: int) -> _Window:
         """The window of the tensor ``name`` that starts with the row holding its byte ``start``."""
@@ -138,7 +144,7 @@ class StreamedTensors:
         chunks = self._chunks(name, tensor)
         if chunks is None:  # into memory of its own, freed once the writer is past it
             whole = torch.empty_like(tensor)
-            load_whole({name: whole}, self._place, self._contents, self._trusted)
+            self._load_whole(name, whole)
             data = tensor_bytes(whole)
             return _Window(name, 0, data.nbytes, data)
         shape = tuple(tensor.shape) or (1,)

@@ -66,14 +66,14 @@ class TensorLayout(NamedTuple):
 
 
 class EntryIndex:
-    """The entries of a sharded checkpoint, by their flat names (``names``, in the order saved), from the manifest
+    """The entries of a sharded checkpoint, by their flat names (``names``, in the order saved), from the index's file
     (:meth:`parse`) or from DCP's metadata (:meth:`of_metadata`). Its sizes and offsets are what the manifest or
     ``.metadata`` says: :meth:`check_bounds` checks them against the files before anything is allocated from them.
 
     Args:
         names: each entry's flat name, in the order saved.
         paths: each entry's path in the nested state it was saved from, in the same order.
-        files: the files its table refers to.
+        files: the files its table refers to (:attr:`files`).
         dtypes: the dtypes its table refers to.
         table: a row of 64-bit integers for each chunk of a tensor and each value, entry by entry in order (the
             columns are the module's ``_NAME`` to ``_NDIM``, then the padded shape, offsets and sizes).
@@ -89,7 +89,7 @@ class EntryIndex:
     ) -> None:
         self.names = names
         self.paths = dict(zip(names, paths))
-        self._files = files
+        self.files = files
         self._dtypes = dtypes
         self._table = table
         self._dims = (table.shape[1] - _FIXED) // 3
@@ -151,7 +151,7 @@ class EntryIndex:
         table as one string, base64 of its little-endian integers compressed (a tenth of their size)."""
         value = {
             "paths": list(map(list, self.paths.values())),
-            "files": self._files,
+            "files": self.files,
             "dtypes": [str(dtype).removeprefix("torch.") for dtype in self._dtypes],
             "dims": self._dims,
             "rows": len(self._table),
@@ -177,10 +177,13 @@ class EntryIndex:
         paths, files, dtype_names, dims, rows, encoded = map(
             value.get, ("paths", "files", "dtypes", "dims", "rows", "table")
         )
-        if not (isinstance(paths, list) and all(_is_path(path) for path in paths)):
-            raise ValueError("its paths are not lists of names and positions")
-        if not (isinstance(files, list) and all(isinstance(name, str) for name in files)):
-            raise ValueError("its files are not names")
+        if not (isinstance(paths, list) and all(_is_path(path, len(paths)) for path in paths)):
+            raise ValueError("its paths are not lists of names and positions within the entries' number")
+        # each file named once: entries of two names for one file would escape the check that none overlaps
+        if not (isinstance(files, list) and all(isinstance(name, str) for name in files)) or len(set(files)) < len(
+            files
+        ):
+            raise ValueError("its files are not names, each once")
         if not (isinstance(dtype_names, list) and type(dims) is int and 0 <= dims <= 64 and isinstance(encoded, str)):
             raise ValueError("it lacks its dtypes, dimensions or table")
         most_rows = recorded + len(paths)
@@ -221,7 +224,7 @@ class EntryIndex:
             SavedChunk(
                 tuple(row[_FIXED + dims : _FIXED + dims + ndim]),
                 tuple(row[_FIXED + 2 * dims : _FIXED + 2 * dims + ndim]),
-                EntryPlace(self._files[row[_FILE]], row[_OFFSET], row[_LENGTH]),
+                EntryPlace(self.files[row[_FILE]], row[_OFFSET], row[_LENGTH]),
             )
             for row in self._rows[start:stop]
             if row[_FILE] >= 0
@@ -242,7 +245,7 @@ class EntryIndex:
             row = rows[n]
             if row[at : at + ndim] == wanted and row[_FILE] >= 0:
                 sizes = tuple(row[at + self._dims : at + self._dims + ndim])
-                return self._dtypes[row[_DTYPE]], sizes, EntryPlace(self._files[row[_FILE]], row[_OFFSET], row[_LENGTH])
+                return self._dtypes[row[_DTYPE]], sizes, EntryPlace(self.files[row[_FILE]], row[_OFFSET], row[_LENGTH])
         return None
 
     def value_place(self, name: str) -> EntryPlace | None:
@@ -251,7 +254,7 @@ class EntryIndex:
         if span is None:
             return None
         row = self._rows[span[0]]
-        return EntryPlace(self._files[row[_FILE]], row[_OFFSET], row[_LENGTH]) if row[_DTYPE] < 0 else None
+        return EntryPlace(self.files[row[_FILE]], row[_OFFSET], row[_LENGTH]) if row[_DTYPE] < 0 else None
 
     def check_bounds(self, file_sizes: Mapping[str, int], where: str) -> None:
         """Raise :class:`IntegrityError` unless every entry lies inside its file (of ``file_sizes``: a file missing
@@ -259,25 +262,25 @@ class EntryIndex:
         lie within it and their entries and hold all of it. ``where``: what the index was read from, for messages."""
         placed = self._table[self._table[:, _FILE] >= 0]
         file, offset, length = placed[:, _FILE], placed[:, _OFFSET], placed[:, _LENGTH]
-        known = np.array([name in file_sizes for name in self._files], dtype=bool)
-        sizes = np.array([file_sizes.get(name, 0) for name in self._files], dtype=np.int64)
+        known = np.array([name in file_sizes for name in self.files], dtype=bool)
+        sizes = np.array([file_sizes.get(name, 0) for name in self.files], dtype=np.int64)
         outside = (offset < 0) | (length < 0) | (offset > _LARGEST) | (length > _LARGEST)
         outside |= known[file] & (offset + length > sizes[file])
         if outside.any():
             row = placed[int(np.argmax(outside))]
-            name, path = self.names[row[_NAME]], self._files[row[_FILE]]
+            name, path = self.names[row[_NAME]], self.files[row[_FILE]]
             size = file_sizes.get(path, row[_OFFSET] + row[_LENGTH])
             raise IntegrityError(
                 f"{where} places entry {name} at [{row[_OFFSET]}, {row[_OFFSET] + row[_LENGTH]}) of {path}, which has "
                 f"{size} bytes: truncated, corrupt or forged"
             )
-        order = np.lexsort((offset, file))
+        order = np.lexsort((offset + length, offset, file))
         file, start, end = file[order], offset[order], (offset + length)[order]
         over = (file[1:] == file[:-1]) & (start[1:] < end[:-1])
         if over.any():
             first = int(np.argmax(over))
             a, b = (self.names[placed[order[n], _NAME]] for n in (first, first + 1))
-            raise IntegrityError(f"{where} places entries {a} and {b} of {self._files[file[first]]} over each other")
+            raise IntegrityError(f"{where} places entries {a} and {b} of {self.files[file[first]]} over each other")
         self._check_chunks(where)
 
     def _check_chunks(self, where: str) -> None:
@@ -312,7 +315,8 @@ class EntryIndex:
 def _nbytes(sizes: np.ndarray, itemsize: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The bytes of blocks of ``sizes`` (a row each) of items of ``itemsize``, and whether each is within 2 ** 62 (if
     not, its figure is meaningless)."""
-    fits = np.prod(np.abs(sizes).astype(np.float64), axis=1) * itemsize < 2.0**62
+    # a dimension of 0 counts as 1: a tensor of no elements whose other dimensions overflow cannot be made either
+    fits = np.prod(np.maximum(np.abs(sizes), 1).astype(np.float64), axis=1) * itemsize < 2.0**62
     return np.prod(np.where(fits[:, None], sizes, 0), axis=1) * itemsize, fits
 
 
@@ -321,8 +325,14 @@ def _starts(column: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.diff(column, prepend=-1)) if len(column) else np.zeros(0, dtype=np.int64)
 
 
-def _is_path(path: object) -> bool:
-    return isinstance(path, list) and bool(path) and all(type(step) in (str, int) for step in path)
+def _is_path(path: object, entries: int) -> bool:
+    """Whether ``path`` is a path of an index of ``entries`` entries: names, and positions in a list of at most that
+    many items."""
+    return (
+        isinstance(path, list)
+        and bool(path)
+        and all(type(step) is str or (type(step) is int and 0 <= step < entries) for step in path)
+    )
 
 
 def _check_table(table: np.ndarray, entries: int, files: int, dtypes: int, dims: int) -> None:

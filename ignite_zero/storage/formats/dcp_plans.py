@@ -448,8 +448,9 @@ class SavePlanning:
         return WrittenPart.of_files(staged.plan, writer.write_staged(staged.plan, staged.values, write_file))
 
     def finish(self, writer: PlaceStorageWriter, parts: Sequence[WrittenPart]) -> None:
-        """On the coordinator, once every rank wrote: ``.metadata``; the last save's bytes again where every rank
-        wrote every item where it did then (the same plans, the same sizes), with this save's storage facts.
+        """On the coordinator, once every rank wrote: ``.metadata`` and the index of the entries; the last save's
+        bytes again where every rank wrote every item where it did then (the same plans, the same sizes), with this
+        save's storage facts.
 
         Args:
             writer: the storage writer that :meth:`offer` was given.

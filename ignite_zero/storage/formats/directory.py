@@ -7,12 +7,12 @@ files itself, straight from tensor memory, computing the CRC-32 of every file an
 ``ignite_zero.json``, listing each file with its size and checksum, and where each of its entries lies with theirs.
 :func:`verify` checks a directory against its manifest, whole.
 
-The manifest also holds the index of the entries (:class:`~.dcp_index.EntryIndex`): what a load needs of
-``.metadata``, as plain data. A template names the entries a rank needs (tensors allocated from the index, or
-``DTensor``\\ s of the rank's own shards for FSDP): where each is one saved chunk it is read straight into place
-(:class:`~.dcp_saved.SavedTensors`); else DCP's planning fills them, resharding across world sizes. Each entry is
-checked by the manifest's record as it arrives; a directory without manifest (another tool's) is read by DCP's own
-reader, unverified.
+Beside ``.metadata``, the coordinator writes the index of the entries (:class:`~.dcp_index.EntryIndex`, a file the
+manifest seals as the others): what a load needs of ``.metadata``, as plain data. A template names the entries a
+rank needs (tensors allocated from the index, or ``DTensor``\\ s of the rank's own shards for FSDP): where each is
+one saved chunk it is read straight into place (:class:`~.dcp_saved.SavedTensors`); else DCP's planning fills them,
+resharding across world sizes. Each entry is checked by the manifest's record as it arrives; a directory without
+manifest (another tool's) is read by DCP's own reader, unverified.
 """
 
 from __future__ import annotations
@@ -232,12 +232,10 @@ def _verified(place: Place, whole: bool) -> tuple[dict[str, Any] | None, Content
     records = entry_records(manifest)  # where each entry lies, as a load reads it
     assert records is not None
     present = place.file_sizes()
-    contents = None
-    if INDEX in records:
-        contents = Contents(records, _checked_index(place, records, present))
     for name, expected in manifest["files"].items():
         check_file(place, name, expected["size"], expected["crc32"] if whole else None, present)
     check_unlisted(place, present, manifest["files"])
+    contents = Contents(records, _checked_index(place, records, present)) if INDEX in records else None
     return manifest, contents
 
 
@@ -320,9 +318,9 @@ class Contents(NamedTuple):
 
 
 def read_contents(where: str | os.PathLike | Place, trusted: bool = False) -> Contents:
-    """What the checkpoint directory ``where`` holds: the manifest's records and index, their sizes and offsets
-    checked against the files. A manifest without index (written before it) or a directory without manifest
-    (another tool's) is indexed from its ``.metadata``.
+    """What the checkpoint directory ``where`` holds: the manifest's records and the index of the entries, their
+    sizes and offsets checked against the files. A directory whose manifest lists no index (written before it) or
+    without manifest (another tool's) is indexed from its ``.metadata``.
 
     Args:
         where: the directory.
@@ -356,7 +354,10 @@ def _checked_index(
     where = str(place.location(INDEX))
     try:
         index = EntryIndex.parse(content, sum(map(len, records.values())))
-    except ValueError as error:
+        unlisted = sorted(set(index.files) - set(records))
+        if unlisted:
+            raise ValueError(f"it places entries in {unlisted}, which the manifest does not list")
+    except (ValueError, RecursionError) as error:  # RecursionError: JSON nested too deep for the parser
         raise IntegrityError(
             f"{where}: the index of the entries is corrupt ({error}). Restore the checkpoint from a good copy, or save "
             "it again."
@@ -386,7 +387,19 @@ def template(index: EntryIndex, keep: Callable[[tuple[Any, ...]], bool], unread:
 
 def nest(index: EntryIndex, flat: Mapping[str, Any]) -> dict[str, Any]:
     """The nested state that flat entries read with a :func:`template` came from (dict keys as strings, list
-    indices as positions)."""
+    indices as positions).
+
+    Raises:
+        IntegrityError: the paths do not make one nested state (a path that runs through another's value, a list
+            and a dict at one place).
+    """
+    try:
+        return _nest(index, flat)
+    except (TypeError, AttributeError, IndexError) as error:
+        raise IntegrityError(f"The saved entries' paths do not make one state (corrupt, forged): {error}") from None
+
+
+def _nest(index: EntryIndex, flat: Mapping[str, Any]) -> dict[str, Any]:
     nested: dict[str, Any] = {}
     for name, value in flat.items():
         path = index.paths[name]

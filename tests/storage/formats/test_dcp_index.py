@@ -142,7 +142,11 @@ def _forge(directory: Path, change: Any) -> None:
     change(index, table)
     if index["table"] == encoded:  # else the change is of the table's encoding
         index["table"] = base64.b64encode(zlib.compress(table.tobytes())).decode()
-    content = json.dumps(index).encode()
+    _reseal(directory, json.dumps(index).encode())
+
+
+def _reseal(directory: Path, content: bytes) -> None:
+    """Put ``content`` in the index's place, and its size and CRC-32 in the manifest."""
     (directory / INDEX).write_bytes(content)
     manifest_path = directory / sharded.MANIFEST
     manifest = json.loads(manifest_path.read_text())
@@ -156,6 +160,11 @@ def _set(column: int, value: int, row: int = -1) -> Any:
         table[row, column] = value
 
     return change
+
+
+def _two_kinds_of_step(index: dict[str, Any], table: np.ndarray) -> None:
+    """Two entries of one object, one at a position, one at a key."""
+    index["paths"][0], index["paths"][1] = ["model", 0], ["model", "weight"]
 
 
 def _chunk_size(index: dict[str, Any], table: np.ndarray) -> None:
@@ -178,6 +187,9 @@ def _grow(index: dict[str, Any], table: np.ndarray) -> None:
         (lambda index, table: index.update(paths=index["paths"][:-1]), "the index of the entries is corrupt"),
         (lambda index, table: index.update(paths=[["a", 1.5]] + index["paths"][1:]), "index .* is corrupt"),
         (lambda index, table: index.update(paths=[index["paths"][1]] + index["paths"][1:]), "one name"),
+        (lambda index, table: index.update(paths=[["model", 10**15]] + index["paths"][1:]), "within the entries'"),
+        (lambda index, table: index.update(files=index["files"] * 2), "not names, each once"),
+        (lambda index, table: index.update(files=["elsewhere.distcp"]), "which the manifest does not list"),
         (lambda index, table: index.update(dtypes=["system"] * len(index["dtypes"])), "not all torch's"),
         (lambda index, table: index.update(files=[]), "refers to a file"),
         (lambda index, table: index.update(dims=index["dims"] + 1), "not .* rows of"),
@@ -204,13 +216,37 @@ def test_a_corrupt_or_forged_index_is_an_integrity_error(tmp_path, change, messa
         sharded.verify(directory, whole=False)
 
 
+def test_paths_that_make_no_state_are_an_integrity_error(tmp_path):
+    """Two entries of one object, one at a position, the other at a key: found when the state is nested again."""
+    directory, _ = _saved(tmp_path)
+    _forge(directory, _two_kinds_of_step)
+    model = tiny_model(seed=1)
+    before = dict(model.state_dict())
+    with pytest.raises(IntegrityError, match="paths do not make one state"):
+        Checkpoint.load_objects({"model": model, "optimizer": torch.optim.Adam(model.parameters())}, str(directory))
+    assert_state_equal(model.state_dict(), before)
+
+
+def test_an_index_of_json_too_deep_or_missing_is_an_integrity_error(tmp_path):
+    directory, _ = _saved(tmp_path)
+    _reseal(directory, b"[" * 100_000)
+    with pytest.raises(IntegrityError, match="the index of the entries is corrupt"):
+        sharded.verify(directory, whole=False)
+    (directory / INDEX).unlink()
+    with pytest.raises(IntegrityError, match=f"file {INDEX} is missing"):
+        sharded.verify(directory, whole=False)
+
+
 def test_an_index_not_as_sealed_is_an_integrity_error(tmp_path):
     directory, _ = _saved(tmp_path)
     path = directory / INDEX
     content = path.read_bytes()
-    for changed, message in ((content[:-1], "bytes, not what its manifest says"), (content[:-1] + b" ", "is corrupt")):
+    for changed, message in (
+        (content[:-1], rf"file {INDEX} has \d+ bytes, \d+ expected \(truncated\?\)"),
+        (content[:-1] + b" ", rf"{INDEX} is corrupt \(CRC-32"),
+    ):
         path.write_bytes(changed)
-        with pytest.raises(IntegrityError, match=f"{INDEX} .*{message}"):
+        with pytest.raises(IntegrityError, match=message):
             Checkpoint.load_objects({"model": tiny_model(seed=1)}, str(directory))
         with pytest.raises(IntegrityError, match=message):
             sharded.verify(directory, whole=False)
@@ -224,6 +260,10 @@ def test_a_tensor_whose_chunks_hold_less_than_it_is_an_integrity_error():
         index.check_bounds({}, "here")
     metadata = _metadata()
     metadata.state_dict_metadata["optimizer.state.0.empty"].size = torch.Size([1, 5])  # no chunk holds it
+    with pytest.raises(IntegrityError, match="optimizer.state.0.empty claims more bytes"):
+        EntryIndex.of_metadata(metadata, "here").check_bounds({}, "here")
+    metadata = _metadata()  # no element, but dimensions that no tensor can have
+    metadata.state_dict_metadata["optimizer.state.0.empty"].size = torch.Size([0, 2**40, 2**40])
     with pytest.raises(IntegrityError, match="optimizer.state.0.empty claims more bytes"):
         EntryIndex.of_metadata(metadata, "here").check_bounds({}, "here")
     metadata = _metadata()
