@@ -210,6 +210,7 @@ def read_checked(f: IO[bytes], view: memoryview, where: str, crc: int = 0) -> in
 def read_entry(f: IO[bytes], record: EntryRecord, data: memoryview, where: str) -> None:
     """Read an archive's entry: its tensor's bytes into ``data``, the rest (headers, pickle, directory) around it
     into a small buffer, each byte checked by the CRC-32 of the tensor's bytes and of the whole entry."""
+    _check_fits(record, data, where)
     f.seek(record.offset)
     head = bytearray(record.data_offset - record.offset)
     tail = bytearray(record.offset + record.length - record.data_offset - data.nbytes)
@@ -227,8 +228,7 @@ def read_entries(f: IO[bytes], reads: Sequence[tuple[EntryRecord, memoryview, st
     span: list[tuple[EntryRecord, memoryview, str]] = []
     for read in sorted(reads, key=lambda read: read[0].offset):
         record, data, where = read
-        if record.data_offset + data.nbytes > record.offset + record.length:
-            raise IntegrityError(f"{where}: its {data.nbytes} bytes of data do not fit its entry (corrupt manifest?)")
+        _check_fits(record, data, where)
         if record.length > _SPANNED_ENTRY:
             read_entry(f, record, data, where)
             continue
@@ -241,6 +241,11 @@ def read_entries(f: IO[bytes], reads: Sequence[tuple[EntryRecord, memoryview, st
         span.append(read)
     if span:
         _read_span(f, span)
+
+
+def _check_fits(record: EntryRecord, data: memoryview, where: str) -> None:
+    if record.data_offset + data.nbytes > record.offset + record.length:
+        raise IntegrityError(f"{where}: its {data.nbytes} bytes of data do not fit its entry (corrupt manifest?)")
 
 
 def _read_span(f: IO[bytes], span: Sequence[tuple[EntryRecord, memoryview, str]]) -> None:

@@ -177,19 +177,18 @@ class EntryIndex:
         paths, files, dtype_names, dims, rows, encoded = map(
             value.get, ("paths", "files", "dtypes", "dims", "rows", "table")
         )
-        if not (isinstance(paths, list) and all(_is_path(path, len(paths)) for path in paths)):
-            raise ValueError("its paths are not lists of names and positions within the entries' number")
-        # each file named once: entries of two names for one file would escape the check that none overlaps
-        if not (isinstance(files, list) and all(isinstance(name, str) for name in files)) or len(set(files)) < len(
-            files
-        ):
-            raise ValueError("its files are not names, each once")
+        if not (isinstance(paths, list) and all(_is_path(path) for path in paths)):
+            raise ValueError("its paths are not lists of names and positions")
+        if not (isinstance(files, list) and all(_is_file_name(name) for name in files)):
+            raise ValueError("its files are not names of files of the directory")
+        if len(set(files)) < len(files):  # entries of two names for one file would escape the check of overlaps
+            raise ValueError("it names a file twice")
         if not (isinstance(dtype_names, list) and type(dims) is int and 0 <= dims <= 64 and isinstance(encoded, str)):
             raise ValueError("it lacks its dtypes, dimensions or table")
         most_rows = recorded + len(paths)
         if type(rows) is not int or not 0 <= rows <= most_rows:
             raise ValueError(f"its table claims {rows} rows, more than the {most_rows} that its entries may take")
-        dtypes = [getattr(torch, name, None) if isinstance(name, str) else None for name in dtype_names]
+        dtypes = [_DTYPES.get(name) if isinstance(name, str) else None for name in dtype_names]
         if not all(isinstance(dtype, torch.dtype) for dtype in dtypes):
             raise ValueError(f"its dtypes {dtype_names} are not all torch's")
         width = _FIXED + 3 * dims
@@ -267,7 +266,7 @@ class EntryIndex:
         outside = (offset < 0) | (length < 0) | (offset > _LARGEST) | (length > _LARGEST)
         outside |= known[file] & (offset + length > sizes[file])
         if outside.any():
-            row = placed[int(np.argmax(outside))]
+            row = placed[int(np.argmax(outside))].tolist()  # Python integers: a sum of two cannot overflow
             name, path = self.names[row[_NAME]], self.files[row[_FILE]]
             size = file_sizes.get(path, row[_OFFSET] + row[_LENGTH])
             raise IntegrityError(
@@ -325,14 +324,22 @@ def _starts(column: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.diff(column, prepend=-1)) if len(column) else np.zeros(0, dtype=np.int64)
 
 
-def _is_path(path: object, entries: int) -> bool:
-    """Whether ``path`` is a path of an index of ``entries`` entries: names, and positions in a list of at most that
-    many items."""
+def _is_path(path: object) -> bool:
+    """Whether ``path`` is a path: names and positions (what they make is checked when they are nested)."""
     return (
         isinstance(path, list)
         and bool(path)
-        and all(type(step) is str or (type(step) is int and 0 <= step < entries) for step in path)
+        and all(type(step) is str or (type(step) is int and step >= 0) for step in path)
     )
+
+
+def _is_file_name(name: object) -> bool:
+    """Whether ``name`` names a file of the directory itself: no other name for it, nothing outside it."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+
+
+# torch's dtypes by name, the only names an index may give: looked up, never imported
+_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 
 
 def _check_table(table: np.ndarray, entries: int, files: int, dtypes: int, dims: int) -> None:

@@ -390,36 +390,62 @@ def nest(index: EntryIndex, flat: Mapping[str, Any]) -> dict[str, Any]:
     indices as positions).
 
     Raises:
-        IntegrityError: the paths do not make one nested state (a path that runs through another's value, a list
-            and a dict at one place).
+        IntegrityError: the paths do not make one nested state: two at one place, one that runs through another's
+            value, a position and a key at one place, or lists with more room than entries to fill it.
     """
-    try:
-        return _nest(index, flat)
-    except (TypeError, AttributeError, IndexError) as error:
-        raise IntegrityError(f"The saved entries' paths do not make one state (corrupt, forged): {error}") from None
-
-
-def _nest(index: EntryIndex, flat: Mapping[str, Any]) -> dict[str, Any]:
     nested: dict[str, Any] = {}
+    made = {id(nested)}  # the containers made here: no path runs through a saved value
+    taken: set[tuple[int, Any]] = set()  # every place filled, by its container and its key or position
+    room = [len(flat) + _MOST_GAPS]  # the list items nesting may add
     for name, value in flat.items():
         path = index.paths[name]
         node: Any = nested
         for step, following in zip(path[:-1], path[1:]):
-            if isinstance(node, list):
-                while len(node) <= step:
-                    node.append(None)
-                if node[step] is None:
-                    node[step] = [] if isinstance(following, int) else {}
-                node = node[step]
+            if (id(node), step) in taken:
+                child = node[step]
+                if id(child) not in made or isinstance(child, list) != isinstance(following, int):
+                    raise _no_state(path)
             else:
-                node = node.setdefault(step, [] if isinstance(following, int) else {})
-        if isinstance(node, list):
-            while len(node) <= path[-1]:
-                node.append(None)
-            node[path[-1]] = value
-        else:
-            node[path[-1]] = value
+                child = [] if isinstance(following, int) else {}
+                made.add(id(child))
+                _put(node, step, child, room, path)
+                taken.add((id(node), step))
+            node = child
+        if (id(node), path[-1]) in taken:
+            raise _no_state(path)
+        _put(node, path[-1], value, room, path)
+        taken.add((id(node), path[-1]))
     return nested
+
+
+# List items that no entry fills (a list of empty dicts saves no entry for them), at most, beyond one an entry.
+_MOST_GAPS = 1 << 16
+
+
+def _put(node: dict[str, Any] | list[Any], step: Any, value: Any, room: list[int], path: tuple[Any, ...]) -> None:
+    """Put ``value`` at ``step`` of ``node``: a key of a dict, a position of a list, which grows to it out of
+    ``room``."""
+    if isinstance(node, dict):
+        if type(step) is not str:
+            raise _no_state(path)
+        node[step] = value
+        return
+    if type(step) is not int:
+        raise _no_state(path)
+    grow = step + 1 - len(node)
+    if grow > room[0]:
+        raise _no_state(path)
+    if grow > 0:
+        node.extend([None] * grow)
+        room[0] -= grow
+    node[step] = value
+
+
+def _no_state(path: tuple[Any, ...]) -> IntegrityError:
+    return IntegrityError(
+        f"The saved entries' paths do not make one state at {list(path)} (two at one place, a path through a "
+        "value, a list and a dict at one place, or a list too long for its entries): corrupt or forged"
+    )
 
 
 def load(

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from training import assert_state_equal, tiny_model, train_step
 
-from ignite_zero import Checkpoint, IntegrityError, ShardedSaver, _compat, cli
+from ignite_zero import Checkpoint, IntegrityError, ShardedSaver, _compat, cli, export
 from ignite_zero.storage.formats import directory as sharded
 from ignite_zero.storage.formats.dcp_entries import INDEX
 from ignite_zero.storage.formats.dcp_index import EntryIndex, EntryPlace
@@ -163,7 +163,6 @@ def _set(column: int, value: int, row: int = -1) -> Any:
 
 
 def _two_kinds_of_step(index: dict[str, Any], table: np.ndarray) -> None:
-    """Two entries of one object, one at a position, one at a key."""
     index["paths"][0], index["paths"][1] = ["model", 0], ["model", "weight"]
 
 
@@ -187,8 +186,8 @@ def _grow(index: dict[str, Any], table: np.ndarray) -> None:
         (lambda index, table: index.update(paths=index["paths"][:-1]), "the index of the entries is corrupt"),
         (lambda index, table: index.update(paths=[["a", 1.5]] + index["paths"][1:]), "index .* is corrupt"),
         (lambda index, table: index.update(paths=[index["paths"][1]] + index["paths"][1:]), "one name"),
-        (lambda index, table: index.update(paths=[["model", 10**15]] + index["paths"][1:]), "within the entries'"),
-        (lambda index, table: index.update(files=index["files"] * 2), "not names, each once"),
+        (lambda index, table: index.update(files=index["files"] * 2), "names a file twice"),
+        (lambda index, table: index.update(files=["./" + index["files"][0]]), "not names of files of the directory"),
         (lambda index, table: index.update(files=["elsewhere.distcp"]), "which the manifest does not list"),
         (lambda index, table: index.update(dtypes=["system"] * len(index["dtypes"])), "not all torch's"),
         (lambda index, table: index.update(files=[]), "refers to a file"),
@@ -216,15 +215,38 @@ def test_a_corrupt_or_forged_index_is_an_integrity_error(tmp_path, change, messa
         sharded.verify(directory, whole=False)
 
 
-def test_paths_that_make_no_state_are_an_integrity_error(tmp_path):
-    """Two entries of one object, one at a position, the other at a key: found when the state is nested again."""
+def _through_a_value(index: dict[str, Any], table: np.ndarray) -> None:
+    index["paths"][1] = [*index["paths"][0], "inside"]
+
+
+def _far_position(index: dict[str, Any], table: np.ndarray) -> None:
+    index["paths"][0] = ["model", 10**15]
+
+
+@pytest.mark.parametrize("change", [_two_kinds_of_step, _through_a_value, _far_position])
+def test_paths_that_make_no_state_are_an_integrity_error(tmp_path, change):
+    """Found when the state is nested again: entries of one object at a position and at a key, a path that runs
+    through another entry's value, a position that would grow a list past what entries fill."""
     directory, _ = _saved(tmp_path)
-    _forge(directory, _two_kinds_of_step)
+    _forge(directory, change)
     model = tiny_model(seed=1)
     before = dict(model.state_dict())
     with pytest.raises(IntegrityError, match="paths do not make one state"):
         Checkpoint.load_objects({"model": model, "optimizer": torch.optim.Adam(model.parameters())}, str(directory))
     assert_state_equal(model.state_dict(), before)
+
+
+def _past_the_data(index: dict[str, Any], table: np.ndarray) -> None:
+    """A vector as long as its whole entry: within it, but past the room its bytes have after its headers."""
+    vector = int(np.flatnonzero((table[:, 4] >= 0) & (table[:, 5] == 1))[0])
+    table[vector, 6] = table[vector, 6 + 2 * index["dims"]] = table[vector, 3] // 4  # float32
+
+
+def test_a_tensor_past_its_data_is_an_integrity_error(tmp_path):
+    directory, _ = _saved(tmp_path)
+    _forge(directory, _past_the_data)
+    with pytest.raises(IntegrityError, match="bytes of data do not fit its entry"):
+        export(directory, tmp_path / "exported")
 
 
 def test_an_index_of_json_too_deep_or_missing_is_an_integrity_error(tmp_path):
