@@ -109,10 +109,11 @@ def unpack_records(value: object) -> np.ndarray:
     return np.array(value, dtype=np.int64).reshape(-1, width)
 
 
-def metadata_of(content: bytes, place: Place, trusted: bool, load_id: str | None = None) -> Metadata:
+def metadata_of(content: bytes, place: Place, trusted: bool, load_id: str | None = None) -> tuple[Metadata, EntryIndex]:
     """DCP's metadata of the directory ``place`` from the bytes of its ``.metadata``, read as
     :func:`~.trust.load_metadata` reads them, with the storage facts DCP's readers add (``load_id``: the reader's,
-    where it has one); its sizes and offsets checked against the files before DCP allocates anything from them.
+    where it has one); and its index, whose sizes and offsets are checked against the files before DCP allocates
+    anything from them.
 
     Raises:
         UnsafeCheckpointError: it holds anything but DCP's metadata, unless ``trusted``.
@@ -121,12 +122,13 @@ def metadata_of(content: bytes, place: Place, trusted: bool, load_id: str | None
     """
     where = str(place.location(METADATA))
     metadata = load_metadata(content, where, trusted)
-    EntryIndex.of_metadata(metadata, where).check_bounds(place.file_sizes(), where)
+    index = EntryIndex.of_metadata(metadata, where)
+    index.check_bounds(place.file_sizes(), where)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     if load_id is not None:
         metadata.storage_meta.load_id = load_id
-    return metadata
+    return metadata, index
 
 
 class RecordedEntries:

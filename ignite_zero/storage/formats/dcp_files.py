@@ -509,6 +509,8 @@ class PlaceStorageReader(StorageReader):
         self._entries = RecordedEntries(place, records)
         self._storage_data: dict[MetadataIndex, Any] = {}
         self._metadata: Metadata | None = None
+        #: the index of the entries, once :meth:`read_metadata` read them
+        self.entry_index: EntryIndex | None = None
         self._trusted = trusted
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -520,7 +522,7 @@ class PlaceStorageReader(StorageReader):
         if self._metadata is not None:
             return self._metadata
         content = read_recorded_file(self.place, METADATA, self._entries.recorded(METADATA, 0))
-        self._metadata = metadata_of(content, self.place, self._trusted)
+        self._metadata, self.entry_index = metadata_of(content, self.place, self._trusted)
         return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

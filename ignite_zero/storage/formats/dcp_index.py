@@ -67,7 +67,7 @@ class TensorLayout(NamedTuple):
 
 class EntryIndex:
     """The entries of a sharded checkpoint, by their flat names (``names``, in the order saved), from the index's file
-    (:meth:`parse`) or from DCP's metadata (:meth:`of_metadata`). Its sizes and offsets are what the manifest or
+    (:meth:`parse`) or from DCP's metadata (:meth:`of_metadata`). Its sizes and offsets are what that file or
     ``.metadata`` says: :meth:`check_bounds` checks them against the files before anything is allocated from them.
 
     Args:

@@ -118,11 +118,13 @@ class _ForeignReader(_compat.DcpFsspecReader):
         self._place = place
         self._trusted = trusted
         self._metadata: Metadata | None = None
+        self.entry_index: EntryIndex | None = None  # once read_metadata() read them
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             content = self._place.read(METADATA)
-            self._metadata = metadata_of(content, self._place, self._trusted, getattr(self, "load_id", None))
+            read = metadata_of(content, self._place, self._trusted, getattr(self, "load_id", None))
+            self._metadata, self.entry_index = read
         return self._metadata
 
 
@@ -337,7 +339,9 @@ def read_contents(where: str | os.PathLike | Place, trusted: bool = False) -> Co
     records = entry_records(manifest)
     if records is None or INDEX not in records:
         reader = _ForeignReader(place, trusted) if records is None else PlaceStorageReader(place, records, trusted)
-        return Contents(records, EntryIndex.of_metadata(reader.read_metadata(), str(place.location(METADATA))))
+        reader.read_metadata()
+        assert reader.entry_index is not None
+        return Contents(records, reader.entry_index)
     return Contents(records, _checked_index(place, records, place.file_sizes()))
 
 
